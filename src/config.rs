@@ -1,0 +1,53 @@
+//! Typed server settings with the defaults of SPEC section 3.
+
+use std::time::Duration;
+
+/// Everything `intray serve` can be told, in the shape the server uses.
+///
+/// `Settings::new` gives the documented defaults; the CLI overrides them from
+/// flags and `INTRAY_*` variables, tests from code.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// `sqlite://path` (created if missing) or `postgres://...`.
+    pub database_url: String,
+    /// Connections in the PostgreSQL pool.
+    pub max_connections: u32,
+    /// How often the reaper looks for expired leases, cancel grace and deadlines.
+    pub reaper_interval: Duration,
+    /// Lease length when a worker does not ask for one.
+    pub default_lease: Duration,
+    /// Longest lease a worker may ask for.
+    pub max_lease: Duration,
+    /// Attempts when a submitter does not say.
+    pub default_max_attempts: u32,
+    /// Backoff base when a submitter does not say.
+    pub backoff_initial: Duration,
+    /// Backoff cap when a submitter does not say.
+    pub backoff_max: Duration,
+    /// Largest payload or result, serialised as JSON.
+    pub max_payload_bytes: usize,
+    /// How long a running job may ignore a cancel before it is cancelled anyway.
+    pub cancel_grace: Duration,
+    /// How often a waiting `Lease` or `WatchJob` re-reads the database even
+    /// without a notification, so a lost one costs latency and never a job.
+    pub fallback_poll: Duration,
+}
+
+impl Settings {
+    /// The defaults of SPEC section 3 for the given database.
+    pub fn new(database_url: impl Into<String>) -> Self {
+        Settings {
+            database_url: database_url.into(),
+            max_connections: 16,
+            reaper_interval: Duration::from_secs(5),
+            default_lease: Duration::from_secs(60),
+            max_lease: Duration::from_secs(3600),
+            default_max_attempts: 3,
+            backoff_initial: Duration::from_secs(5),
+            backoff_max: Duration::from_secs(300),
+            max_payload_bytes: 1024 * 1024,
+            cancel_grace: Duration::from_secs(30),
+            fallback_poll: Duration::from_secs(1),
+        }
+    }
+}
