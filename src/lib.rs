@@ -1,6 +1,7 @@
 //! intray: a durable job-orchestration service.
 
 pub mod config;
+pub mod domain;
 pub mod server;
 
 /// Generated gRPC types and services of `proto/intray/v1/intray.proto`, with

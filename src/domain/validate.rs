@@ -1,0 +1,673 @@
+//! Validation of what callers send, with the offending field named so the
+//! API can answer `INVALID_ARGUMENT` with a `BadRequest` field violation.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use uuid::Uuid;
+
+use super::hash::{HashInput, input_hash};
+use super::{
+    Backoff, CompleteSpec, HeartbeatSpec, JobError, JobState, LeaseSpec, ListFilter, NewJob,
+    Outcome, RetryFilter,
+};
+
+/// A field that failed validation.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {reason}")]
+pub struct ValidationError {
+    /// Path of the field in the request, e.g. `backoff.initial`.
+    pub field: String,
+    pub reason: String,
+}
+
+impl ValidationError {
+    /// A violation of `field`.
+    pub fn new(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        ValidationError {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+}
+
+type Result<T> = std::result::Result<T, ValidationError>;
+
+/// Server-side defaults and bounds that validation applies.
+#[derive(Clone, Debug)]
+pub struct Limits {
+    pub default_max_attempts: u32,
+    pub default_backoff: Backoff,
+    pub max_payload_bytes: usize,
+    pub default_lease: Duration,
+    pub max_lease: Duration,
+}
+
+/// Largest number of attempts a job may have.
+pub const MAX_ATTEMPTS: u32 = 100;
+/// Priority range; larger runs first.
+pub const PRIORITY_RANGE: std::ops::RangeInclusive<i32> = -1000..=1000;
+/// Longest long-poll a `Lease` may ask for.
+pub const MAX_WAIT: Duration = Duration::from_secs(60);
+/// Most jobs one `Lease` may claim.
+pub const MAX_LEASE_JOBS: u32 = 100;
+/// Most items in `SubmitBatch` / `CompleteBatch`.
+pub const MAX_BATCH: usize = 1000;
+/// Deepest JSON nesting accepted in a payload or result.
+pub const MAX_JSON_DEPTH: usize = 64;
+/// Most labels on one job.
+pub const MAX_LABELS: usize = 32;
+/// Largest `List` page.
+pub const MAX_PAGE_SIZE: u32 = 1000;
+/// `List` page size when none is given.
+pub const DEFAULT_PAGE_SIZE: u32 = 50;
+/// Most jobs one bulk `Retry` touches.
+pub const MAX_RETRY_LIMIT: u32 = 10_000;
+/// Bulk `Retry` limit when none is given.
+pub const DEFAULT_RETRY_LIMIT: u32 = 1000;
+
+/// A submission as received, before validation.
+#[derive(Clone, Debug, Default)]
+pub struct SubmitInput {
+    pub queue: String,
+    pub kind: String,
+    pub payload: Value,
+    pub idempotency_key: String,
+    pub priority: i32,
+    pub run_at: Option<DateTime<Utc>>,
+    pub deadline: Option<DateTime<Utc>>,
+    pub max_attempts: Option<u32>,
+    pub backoff_initial: Option<Duration>,
+    pub backoff_max: Option<Duration>,
+    pub labels: BTreeMap<String, String>,
+    pub callback_url: String,
+}
+
+fn name(field: &str, value: &str, extra: &[char]) -> Result<String> {
+    if value.is_empty() {
+        return Err(ValidationError::new(field, "must not be empty"));
+    }
+    if value.len() > 128 {
+        return Err(ValidationError::new(field, "must be at most 128 characters"));
+    }
+    let ok = value
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '-') || extra.contains(&c));
+    if !ok {
+        return Err(ValidationError::new(
+            field,
+            "may only contain letters, digits and _ . : -",
+        ));
+    }
+    Ok(value.to_owned())
+}
+
+/// A queue name: 1..=128 characters of `[A-Za-z0-9_.:-]`.
+pub fn queue(field: &str, value: &str) -> Result<String> {
+    name(field, value, &[])
+}
+
+/// A kind: like a queue name, and `/` is allowed too.
+pub fn kind(field: &str, value: &str) -> Result<String> {
+    name(field, value, &['/'])
+}
+
+/// A job id: UUID text.
+pub fn job_id(field: &str, value: &str) -> Result<Uuid> {
+    Uuid::parse_str(value).map_err(|_| ValidationError::new(field, "must be a UUID"))
+}
+
+fn json_depth(v: &Value) -> usize {
+    match v {
+        Value::Array(items) => 1 + items.iter().map(json_depth).max().unwrap_or(0),
+        Value::Object(map) => 1 + map.values().map(json_depth).max().unwrap_or(0),
+        _ => 0,
+    }
+}
+
+/// A payload or result: bounded size and nesting.
+pub fn json_value(field: &str, value: &Value, max_bytes: usize) -> Result<()> {
+    if json_depth(value) > MAX_JSON_DEPTH {
+        return Err(ValidationError::new(
+            field,
+            format!("must not nest deeper than {MAX_JSON_DEPTH} levels"),
+        ));
+    }
+    let size = serde_json::to_vec(value).map(|v| v.len()).unwrap_or(usize::MAX);
+    if size > max_bytes {
+        return Err(ValidationError::new(
+            field,
+            format!("is {size} bytes as JSON; the limit is {max_bytes}"),
+        ));
+    }
+    Ok(())
+}
+
+fn labels(field: &str, labels: &BTreeMap<String, String>) -> Result<()> {
+    if labels.len() > MAX_LABELS {
+        return Err(ValidationError::new(
+            field,
+            format!("at most {MAX_LABELS} labels"),
+        ));
+    }
+    for (key, value) in labels {
+        let key_ok = !key.is_empty()
+            && key.len() <= 63
+            && key
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "_.-/".contains(c));
+        if !key_ok {
+            return Err(ValidationError::new(
+                format!("{field}[{key}]"),
+                "label keys are 1..=63 characters of a-z 0-9 _ . - /",
+            ));
+        }
+        if value.len() > 256 {
+            return Err(ValidationError::new(
+                format!("{field}[{key}]"),
+                "label values are at most 256 characters",
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn callback_url(value: &str) -> Result<Option<String>> {
+    if value.is_empty() {
+        return Ok(None);
+    }
+    let rest = value
+        .strip_prefix("https://")
+        .or_else(|| value.strip_prefix("http://"));
+    match rest {
+        Some(rest) if !rest.is_empty() && value.len() <= 2048 && !value.contains(char::is_whitespace) => {
+            Ok(Some(value.to_owned()))
+        }
+        _ => Err(ValidationError::new(
+            "callback_url",
+            "must be an http:// or https:// URL of at most 2048 characters",
+        )),
+    }
+}
+
+/// Validates a submission and applies the defaults. `now` is only used to
+/// refuse a deadline that has already passed.
+pub fn submit(input: SubmitInput, limits: &Limits, now: DateTime<Utc>) -> Result<NewJob> {
+    let queue = queue("queue", &input.queue)?;
+    let kind = kind("kind", &input.kind)?;
+    json_value("payload", &input.payload, limits.max_payload_bytes)?;
+    if input.idempotency_key.len() > 256 {
+        return Err(ValidationError::new(
+            "idempotency_key",
+            "must be at most 256 characters",
+        ));
+    }
+    if !PRIORITY_RANGE.contains(&input.priority) {
+        return Err(ValidationError::new(
+            "priority",
+            "must be between -1000 and 1000",
+        ));
+    }
+    let max_attempts = input.max_attempts.unwrap_or(limits.default_max_attempts);
+    if !(1..=MAX_ATTEMPTS).contains(&max_attempts) {
+        return Err(ValidationError::new(
+            "max_attempts",
+            "must be between 1 and 100",
+        ));
+    }
+    let backoff = match (input.backoff_initial, input.backoff_max) {
+        (None, None) => limits.default_backoff,
+        (initial, max) => {
+            let initial = initial.unwrap_or(limits.default_backoff.initial());
+            let max = max.unwrap_or(limits.default_backoff.max().max(initial));
+            Backoff::try_new(initial, max)
+                .map_err(|e| ValidationError::new(format!("backoff.{}", e.field), e.reason))?
+        }
+    };
+    if let Some(deadline) = input.deadline {
+        if deadline <= now {
+            return Err(ValidationError::new("deadline", "must be in the future"));
+        }
+        if input.run_at.is_some_and(|run_at| run_at >= deadline) {
+            return Err(ValidationError::new("deadline", "must be after run_at"));
+        }
+    }
+    labels("labels", &input.labels)?;
+    let callback_url = callback_url(&input.callback_url)?;
+    let input_hash = input_hash(&HashInput {
+        queue: &queue,
+        kind: &kind,
+        payload: &input.payload,
+        priority: input.priority,
+        run_at: input.run_at,
+        deadline: input.deadline,
+        max_attempts,
+        backoff,
+        labels: &input.labels,
+        callback_url: callback_url.as_deref(),
+    });
+    Ok(NewJob {
+        queue,
+        kind,
+        payload: input.payload,
+        idempotency_key: (!input.idempotency_key.is_empty()).then_some(input.idempotency_key),
+        input_hash,
+        priority: input.priority,
+        run_at: input.run_at,
+        deadline: input.deadline,
+        max_attempts,
+        backoff,
+        labels: input.labels,
+        callback_url,
+    })
+}
+
+/// A `Lease` call as received.
+#[derive(Clone, Debug, Default)]
+pub struct LeaseInput {
+    pub worker_id: String,
+    pub queues: Vec<String>,
+    pub kinds: Vec<String>,
+    pub max_jobs: Option<u32>,
+    pub lease_duration: Option<Duration>,
+    pub wait: Option<Duration>,
+}
+
+fn worker_id(value: &str) -> Result<String> {
+    if value.is_empty() || value.len() > 128 {
+        return Err(ValidationError::new(
+            "worker_id",
+            "must be 1..=128 characters",
+        ));
+    }
+    Ok(value.to_owned())
+}
+
+fn lease_duration(field: &str, value: Option<Duration>, limits: &Limits) -> Result<Duration> {
+    let d = value.unwrap_or(limits.default_lease);
+    if d < Duration::from_secs(1) || d > limits.max_lease {
+        return Err(ValidationError::new(
+            field,
+            format!(
+                "must be between 1s and {}",
+                humantime::format_duration(limits.max_lease)
+            ),
+        ));
+    }
+    Ok(d)
+}
+
+/// Validates a `Lease` call and applies the defaults.
+pub fn lease(input: LeaseInput, limits: &Limits) -> Result<LeaseSpec> {
+    let worker_id = worker_id(&input.worker_id)?;
+    if input.queues.is_empty() {
+        return Err(ValidationError::new("queues", "name at least one queue"));
+    }
+    if input.queues.len() > 64 {
+        return Err(ValidationError::new("queues", "at most 64 queues"));
+    }
+    let queues = input
+        .queues
+        .iter()
+        .enumerate()
+        .map(|(i, q)| queue(&format!("queues[{i}]"), q))
+        .collect::<Result<Vec<_>>>()?;
+    if input.kinds.len() > 64 {
+        return Err(ValidationError::new("kinds", "at most 64 kinds"));
+    }
+    let kinds = input
+        .kinds
+        .iter()
+        .enumerate()
+        .map(|(i, k)| kind(&format!("kinds[{i}]"), k))
+        .collect::<Result<Vec<_>>>()?;
+    let max_jobs = input.max_jobs.unwrap_or(1);
+    if !(1..=MAX_LEASE_JOBS).contains(&max_jobs) {
+        return Err(ValidationError::new("max_jobs", "must be between 1 and 100"));
+    }
+    let lease_duration = lease_duration("lease_duration", input.lease_duration, limits)?;
+    let wait = input.wait.unwrap_or(Duration::ZERO);
+    if wait > MAX_WAIT {
+        return Err(ValidationError::new("wait", "must be at most 60s"));
+    }
+    Ok(LeaseSpec {
+        worker_id,
+        queues,
+        kinds,
+        max_jobs,
+        lease_duration,
+        wait,
+    })
+}
+
+fn lease_token(value: &str) -> Result<String> {
+    if value.is_empty() || value.len() > 128 {
+        return Err(ValidationError::new("lease_token", "must be 1..=128 characters"));
+    }
+    Ok(value.to_owned())
+}
+
+/// A `Heartbeat` call as received.
+#[derive(Clone, Debug, Default)]
+pub struct HeartbeatInput {
+    pub job_id: String,
+    pub lease_token: String,
+    pub extend_by: Option<Duration>,
+    pub progress: Option<f64>,
+    pub message: String,
+}
+
+/// Validates a `Heartbeat` call. Without `extend_by` the lease is extended by
+/// the server's default lease.
+pub fn heartbeat(input: HeartbeatInput, limits: &Limits) -> Result<HeartbeatSpec> {
+    let job_id = job_id("job_id", &input.job_id)?;
+    let lease_token = lease_token(&input.lease_token)?;
+    let extend_by = lease_duration("extend_by", input.extend_by, limits)?;
+    if let Some(p) = input.progress
+        && !(0.0..=1.0).contains(&p)
+    {
+        return Err(ValidationError::new("progress", "must be between 0 and 1"));
+    }
+    if input.message.len() > 1024 {
+        return Err(ValidationError::new("message", "must be at most 1024 characters"));
+    }
+    Ok(HeartbeatSpec {
+        job_id,
+        lease_token,
+        extend_by,
+        progress: input.progress,
+        message: (!input.message.is_empty()).then_some(input.message),
+    })
+}
+
+/// The outcome half of a `Complete` call as received.
+#[derive(Clone, Debug)]
+pub enum OutcomeInput {
+    Success {
+        result: Value,
+    },
+    Failure {
+        error_class: String,
+        message: String,
+        retryable: Option<bool>,
+        retry_after: Option<Duration>,
+    },
+}
+
+/// Validates a `Complete` call.
+pub fn complete(
+    job_id_text: &str,
+    token: &str,
+    outcome: Option<OutcomeInput>,
+    cost_cents: i64,
+    limits: &Limits,
+) -> Result<CompleteSpec> {
+    let job_id = job_id("job_id", job_id_text)?;
+    let lease_token = lease_token(token)?;
+    if cost_cents < 0 {
+        return Err(ValidationError::new("cost_cents", "must not be negative"));
+    }
+    let outcome = match outcome {
+        None => {
+            return Err(ValidationError::new(
+                "outcome",
+                "set either success or failure",
+            ));
+        }
+        Some(OutcomeInput::Success { result }) => {
+            json_value("success.result", &result, limits.max_payload_bytes)?;
+            Outcome::Success { result }
+        }
+        Some(OutcomeInput::Failure {
+            error_class,
+            message,
+            retryable,
+            retry_after,
+        }) => {
+            let class = name("failure.error_class", &error_class, &['/'])?;
+            if message.len() > 16 * 1024 {
+                return Err(ValidationError::new(
+                    "failure.message",
+                    "must be at most 16384 characters",
+                ));
+            }
+            if retry_after.is_some_and(|d| d > Duration::from_secs(7 * 24 * 3600)) {
+                return Err(ValidationError::new(
+                    "failure.retry_after",
+                    "must be at most 7 days",
+                ));
+            }
+            Outcome::Failure {
+                error: JobError { class, message },
+                retryable: retryable.unwrap_or(true),
+                retry_after,
+            }
+        }
+    };
+    Ok(CompleteSpec {
+        job_id,
+        lease_token,
+        outcome,
+        cost_cents,
+    })
+}
+
+/// A `List` call as received.
+#[derive(Clone, Debug, Default)]
+pub struct ListInput {
+    pub queue: String,
+    pub kind: String,
+    pub states: Vec<JobState>,
+    pub error_class: String,
+    pub labels: BTreeMap<String, String>,
+    pub page_size: Option<u32>,
+    pub page_token: String,
+}
+
+fn optional<T>(value: &str, check: impl FnOnce(&str) -> Result<T>) -> Result<Option<T>> {
+    if value.is_empty() {
+        Ok(None)
+    } else {
+        check(value).map(Some)
+    }
+}
+
+/// Validates a `List` call.
+pub fn list(input: ListInput) -> Result<ListFilter> {
+    let page_size = input.page_size.unwrap_or(DEFAULT_PAGE_SIZE);
+    if !(1..=MAX_PAGE_SIZE).contains(&page_size) {
+        return Err(ValidationError::new("page_size", "must be between 1 and 1000"));
+    }
+    let before = optional(&input.page_token, |t| {
+        Uuid::parse_str(t).map_err(|_| ValidationError::new("page_token", "is not a token this server issued"))
+    })?;
+    labels("labels", &input.labels)?;
+    Ok(ListFilter {
+        queue: optional(&input.queue, |q| queue("queue", q))?,
+        kind: optional(&input.kind, |k| kind("kind", k))?,
+        states: input.states,
+        error_class: optional(&input.error_class, |c| name("error_class", c, &['/']))?,
+        labels: input.labels,
+        page_size,
+        before,
+    })
+}
+
+/// Validates a bulk `Retry` filter; without states it targets the dead set.
+pub fn retry_filter(
+    queue_name: &str,
+    kind_name: &str,
+    error_class: &str,
+    states: Vec<JobState>,
+    limit: Option<u32>,
+) -> Result<RetryFilter> {
+    let states = if states.is_empty() {
+        vec![JobState::Failed]
+    } else {
+        states
+    };
+    if let Some(bad) = states.iter().find(|s| !s.is_replayable()) {
+        return Err(ValidationError::new(
+            "filter.states",
+            format!("{bad} jobs cannot be retried; use failed, cancelled or expired"),
+        ));
+    }
+    let limit = limit.unwrap_or(DEFAULT_RETRY_LIMIT);
+    if !(1..=MAX_RETRY_LIMIT).contains(&limit) {
+        return Err(ValidationError::new("limit", "must be between 1 and 10000"));
+    }
+    Ok(RetryFilter {
+        queue: optional(queue_name, |q| queue("filter.queue", q))?,
+        kind: optional(kind_name, |k| kind("filter.kind", k))?,
+        error_class: optional(error_class, |c| name("filter.error_class", c, &['/']))?,
+        states,
+        limit,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn limits() -> Limits {
+        Limits {
+            default_max_attempts: 3,
+            default_backoff: Backoff::try_new(Duration::from_secs(5), Duration::from_secs(300))
+                .expect("valid"),
+            max_payload_bytes: 1024,
+            default_lease: Duration::from_secs(60),
+            max_lease: Duration::from_secs(3600),
+        }
+    }
+
+    fn good() -> SubmitInput {
+        SubmitInput {
+            queue: "emails".into(),
+            kind: "llm/summarize".into(),
+            payload: json!({"doc": "x"}),
+            ..Default::default()
+        }
+    }
+
+    fn field_of(input: SubmitInput) -> String {
+        submit(input, &limits(), Utc::now()).unwrap_err().field
+    }
+
+    #[test]
+    fn defaults_are_applied() {
+        let job = submit(good(), &limits(), Utc::now()).expect("valid");
+        assert_eq!(job.max_attempts, 3);
+        assert_eq!(job.backoff, limits().default_backoff);
+        assert_eq!(job.idempotency_key, None);
+        assert_eq!(job.input_hash.len(), 64);
+    }
+
+    #[test]
+    fn each_bad_submit_field_is_named() {
+        assert_eq!(field_of(SubmitInput { queue: String::new(), ..good() }), "queue");
+        assert_eq!(field_of(SubmitInput { queue: "a b".into(), ..good() }), "queue");
+        assert_eq!(field_of(SubmitInput { queue: "q".repeat(129), ..good() }), "queue");
+        assert_eq!(field_of(SubmitInput { kind: String::new(), ..good() }), "kind");
+        assert_eq!(field_of(SubmitInput { max_attempts: Some(0), ..good() }), "max_attempts");
+        assert_eq!(field_of(SubmitInput { max_attempts: Some(101), ..good() }), "max_attempts");
+        assert_eq!(field_of(SubmitInput { priority: 1001, ..good() }), "priority");
+        assert_eq!(
+            field_of(SubmitInput { payload: json!("x".repeat(2000)), ..good() }),
+            "payload"
+        );
+        assert_eq!(
+            field_of(SubmitInput { idempotency_key: "k".repeat(257), ..good() }),
+            "idempotency_key"
+        );
+        assert_eq!(
+            field_of(SubmitInput { backoff_initial: Some(Duration::ZERO), ..good() }),
+            "backoff.initial"
+        );
+        assert_eq!(
+            field_of(SubmitInput {
+                deadline: Some(Utc::now() - chrono::Duration::seconds(1)),
+                ..good()
+            }),
+            "deadline"
+        );
+        assert_eq!(
+            field_of(SubmitInput {
+                labels: [("Bad Key".to_string(), "v".to_string())].into(),
+                ..good()
+            }),
+            "labels[Bad Key]"
+        );
+        assert_eq!(
+            field_of(SubmitInput { callback_url: "ftp://x".into(), ..good() }),
+            "callback_url"
+        );
+    }
+
+    #[test]
+    fn deep_json_is_refused() {
+        let mut v = json!(1);
+        for _ in 0..=MAX_JSON_DEPTH {
+            v = json!([v]);
+        }
+        assert_eq!(field_of(SubmitInput { payload: v, ..good() }), "payload");
+    }
+
+    #[test]
+    fn lease_bounds() {
+        let ok = LeaseInput {
+            worker_id: "w".into(),
+            queues: vec!["q".into()],
+            ..Default::default()
+        };
+        let spec = lease(ok.clone(), &limits()).expect("valid");
+        assert_eq!((spec.max_jobs, spec.wait), (1, Duration::ZERO));
+        let field = |input: LeaseInput| lease(input, &limits()).unwrap_err().field;
+        assert_eq!(field(LeaseInput { queues: vec![], ..ok.clone() }), "queues");
+        assert_eq!(field(LeaseInput { worker_id: String::new(), ..ok.clone() }), "worker_id");
+        assert_eq!(field(LeaseInput { max_jobs: Some(0), ..ok.clone() }), "max_jobs");
+        assert_eq!(field(LeaseInput { max_jobs: Some(101), ..ok.clone() }), "max_jobs");
+        assert_eq!(
+            field(LeaseInput { wait: Some(Duration::from_secs(61)), ..ok.clone() }),
+            "wait"
+        );
+        assert_eq!(
+            field(LeaseInput { lease_duration: Some(Duration::ZERO), ..ok.clone() }),
+            "lease_duration"
+        );
+        assert_eq!(
+            field(LeaseInput { queues: vec!["ok".into(), "".into()], ..ok }),
+            "queues[1]"
+        );
+    }
+
+    #[test]
+    fn complete_needs_an_outcome_and_a_sane_cost() {
+        let id = Uuid::now_v7().to_string();
+        let field = |o: Option<OutcomeInput>, cost: i64| {
+            complete(&id, "tok", o, cost, &limits()).unwrap_err().field
+        };
+        assert_eq!(field(None, 0), "outcome");
+        let ok = Some(OutcomeInput::Success { result: json!(1) });
+        assert_eq!(field(ok, -1), "cost_cents");
+        let no_class = Some(OutcomeInput::Failure {
+            error_class: String::new(),
+            message: String::new(),
+            retryable: None,
+            retry_after: None,
+        });
+        assert_eq!(field(no_class, 0), "failure.error_class");
+    }
+
+    #[test]
+    fn retry_filter_defaults_to_the_dead_set_and_refuses_live_states() {
+        let f = retry_filter("q", "", "", vec![], None).expect("valid");
+        assert_eq!(f.states, vec![JobState::Failed]);
+        assert_eq!(f.limit, DEFAULT_RETRY_LIMIT);
+        let err = retry_filter("q", "", "", vec![JobState::Succeeded], None).unwrap_err();
+        assert_eq!(err.field, "filter.states");
+    }
+}
