@@ -1,8 +1,14 @@
 //! intray: a durable job-orchestration service.
 
+pub mod api;
+pub mod cli;
+pub mod client;
 pub mod config;
 pub mod domain;
+pub mod engine;
 pub mod server;
+pub mod store;
+pub mod telemetry;
 
 /// Generated gRPC types and services of `proto/intray/v1/intray.proto`, with
 /// proto3-JSON serde impls.
@@ -11,6 +17,5 @@ pub mod pb {
     tonic::include_proto!("intray.v1");
     include!(concat!(env!("OUT_DIR"), "/intray.v1.serde.rs"));
     /// Descriptor set served by reflection.
-    pub const FILE_DESCRIPTOR_SET: &[u8] =
-        tonic::include_file_descriptor_set!("intray_descriptor");
+    pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("intray_descriptor");
 }

@@ -1,1 +1,133 @@
-fn main() {}
+//! The `intray` binary: parses the command line and calls into the library.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use intray::cli::{DatabaseArgs, ServeArgs};
+use intray::client::{ClientCommand, ClientOpts};
+
+/// intray: a durable job service for slow, failure-prone work, over gRPC.
+///
+/// `intray serve` runs the server (an embedded SQLite file by default,
+/// PostgreSQL with --database-url postgres://...). The other commands are a
+/// client for a running server.
+#[derive(Parser)]
+#[command(name = "intray", version, about, long_about)]
+struct Cli {
+    #[command(flatten)]
+    client: ClientOpts,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the server: gRPC API, reaper, migrations on start.
+    Serve(ServeArgs),
+    /// Apply the database migrations and exit.
+    Migrate(DatabaseArgs),
+    #[command(flatten)]
+    Client(ClientCommand),
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Serve(args) => serve(args).await,
+        Command::Migrate(db) => {
+            intray::telemetry::init_logging();
+            let url = db.url();
+            match intray::store::migrate(&url).await {
+                Ok(()) => {
+                    tracing::info!("migrations applied");
+                    ExitCode::SUCCESS
+                }
+                Err(err) => {
+                    eprintln!("error: {err}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Client(cmd) => match intray::client::run(cli.client, cmd).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(err) => {
+                eprintln!("error: {err}");
+                ExitCode::from(u8::try_from(err.exit_code()).unwrap_or(1))
+            }
+        },
+    }
+}
+
+async fn serve(args: ServeArgs) -> ExitCode {
+    intray::telemetry::init_logging();
+    let settings = match args.settings() {
+        Ok(settings) => settings,
+        Err(err) => {
+            eprintln!("error: {err}");
+            return ExitCode::from(2);
+        }
+    };
+    let listener = match tokio::net::TcpListener::bind(args.grpc_addr).await {
+        Ok(listener) => listener,
+        Err(err) => {
+            eprintln!("error: cannot listen on {}: {err}", args.grpc_addr);
+            return ExitCode::FAILURE;
+        }
+    };
+    tracing::info!(grpc_addr = %args.grpc_addr, database = %redact(&settings.database_url), "intray serving");
+    match intray::server::run(settings, listener, shutdown_signal()).await {
+        Ok(()) => {
+            tracing::info!("stopped");
+            ExitCode::SUCCESS
+        }
+        Err(err) => {
+            eprintln!("error: {err}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The database URL without its password, for the log.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let creds = &url[scheme + 3..at];
+            match creds.find(':') {
+                Some(colon) => format!(
+                    "{}{}:***{}",
+                    &url[..scheme + 3],
+                    &creds[..colon],
+                    &url[at..]
+                ),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+/// Completes on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+    tracing::info!("shutting down");
+}

@@ -107,7 +107,10 @@ mod tests {
 
     #[test]
     fn integers_and_floats_that_are_equal_hash_alike() {
-        assert_eq!(hash_of(json!({"n": 1}), 0, &[]), hash_of(json!({"n": 1.0}), 0, &[]));
+        assert_eq!(
+            hash_of(json!({"n": 1}), 0, &[]),
+            hash_of(json!({"n": 1.0}), 0, &[])
+        );
     }
 
     #[test]
@@ -137,7 +140,10 @@ mod tests {
             callback_url: None,
         });
         let text = String::from_utf8(bytes).expect("utf8");
-        assert!(text.starts_with(r#"{"kind":"k","options":{"backoff_initial_ms":5000"#), "{text}");
+        assert!(
+            text.starts_with(r#"{"kind":"k","options":{"backoff_initial_ms":5000"#),
+            "{text}"
+        );
         assert!(text.contains(r#""payload":{"a":"s","z":true}"#), "{text}");
     }
 }

@@ -357,7 +357,10 @@ mod tests {
         // attempt 2: window min(300 s, 5 s * 2) = 10 s, half of it with jitter 0.5
         assert_eq!(job.run_at, t(105));
         assert_eq!(event.kind, EventType::RetryScheduled);
-        assert_eq!(job.error.as_ref().map(|e| e.class.as_str()), Some("rate_limited"));
+        assert_eq!(
+            job.error.as_ref().map(|e| e.class.as_str()),
+            Some("rate_limited")
+        );
         assert!(job.finished_at.is_none());
     }
 
@@ -478,7 +481,10 @@ mod tests {
         for state in [JobState::Succeeded, JobState::Running, JobState::Queued] {
             let mut job = running(1, 3);
             job.state = state;
-            assert!(matches!(replay(&mut job, t(1)), Err(TransitionError::Illegal(_))));
+            assert!(matches!(
+                replay(&mut job, t(1)),
+                Err(TransitionError::Illegal(_))
+            ));
         }
     }
 
@@ -486,13 +492,19 @@ mod tests {
     fn expired_lease_requeues_fails_cancels_or_expires() {
         let mut job = running(1, 3);
         let event = lease_expired(&mut job, t(61));
-        assert_eq!((job.state, event.kind), (JobState::Queued, EventType::LeaseExpired));
+        assert_eq!(
+            (job.state, event.kind),
+            (JobState::Queued, EventType::LeaseExpired)
+        );
         assert_eq!(job.lease_token, None);
 
         let mut last = running(3, 3);
         lease_expired(&mut last, t(61));
         assert_eq!(last.state, JobState::Failed);
-        assert_eq!(last.error.map(|e| e.class), Some(LEASE_EXPIRED_CLASS.to_string()));
+        assert_eq!(
+            last.error.map(|e| e.class),
+            Some(LEASE_EXPIRED_CLASS.to_string())
+        );
 
         let mut cancelled = running(1, 3);
         cancelled.cancel_requested = true;
@@ -512,7 +524,9 @@ mod tests {
         let event = complete(
             &mut job,
             "tok",
-            Outcome::Success { result: json!(null) },
+            Outcome::Success {
+                result: json!(null),
+            },
             0,
             t(50),
             0.0,

@@ -90,11 +90,14 @@ fn name(field: &str, value: &str, extra: &[char]) -> Result<String> {
         return Err(ValidationError::new(field, "must not be empty"));
     }
     if value.len() > 128 {
-        return Err(ValidationError::new(field, "must be at most 128 characters"));
+        return Err(ValidationError::new(
+            field,
+            "must be at most 128 characters",
+        ));
     }
-    let ok = value
-        .chars()
-        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '-') || extra.contains(&c));
+    let ok = value.chars().all(|c| {
+        c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '-') || extra.contains(&c)
+    });
     if !ok {
         return Err(ValidationError::new(
             field,
@@ -135,7 +138,9 @@ pub fn json_value(field: &str, value: &Value, max_bytes: usize) -> Result<()> {
             format!("must not nest deeper than {MAX_JSON_DEPTH} levels"),
         ));
     }
-    let size = serde_json::to_vec(value).map(|v| v.len()).unwrap_or(usize::MAX);
+    let size = serde_json::to_vec(value)
+        .map(|v| v.len())
+        .unwrap_or(usize::MAX);
     if size > max_bytes {
         return Err(ValidationError::new(
             field,
@@ -182,7 +187,9 @@ fn callback_url(value: &str) -> Result<Option<String>> {
         .strip_prefix("https://")
         .or_else(|| value.strip_prefix("http://"));
     match rest {
-        Some(rest) if !rest.is_empty() && value.len() <= 2048 && !value.contains(char::is_whitespace) => {
+        Some(rest)
+            if !rest.is_empty() && value.len() <= 2048 && !value.contains(char::is_whitespace) =>
+        {
             Ok(Some(value.to_owned()))
         }
         _ => Err(ValidationError::new(
@@ -325,7 +332,10 @@ pub fn lease(input: LeaseInput, limits: &Limits) -> Result<LeaseSpec> {
         .collect::<Result<Vec<_>>>()?;
     let max_jobs = input.max_jobs.unwrap_or(1);
     if !(1..=MAX_LEASE_JOBS).contains(&max_jobs) {
-        return Err(ValidationError::new("max_jobs", "must be between 1 and 100"));
+        return Err(ValidationError::new(
+            "max_jobs",
+            "must be between 1 and 100",
+        ));
     }
     let lease_duration = lease_duration("lease_duration", input.lease_duration, limits)?;
     let wait = input.wait.unwrap_or(Duration::ZERO);
@@ -344,7 +354,10 @@ pub fn lease(input: LeaseInput, limits: &Limits) -> Result<LeaseSpec> {
 
 fn lease_token(value: &str) -> Result<String> {
     if value.is_empty() || value.len() > 128 {
-        return Err(ValidationError::new("lease_token", "must be 1..=128 characters"));
+        return Err(ValidationError::new(
+            "lease_token",
+            "must be 1..=128 characters",
+        ));
     }
     Ok(value.to_owned())
 }
@@ -371,7 +384,10 @@ pub fn heartbeat(input: HeartbeatInput, limits: &Limits) -> Result<HeartbeatSpec
         return Err(ValidationError::new("progress", "must be between 0 and 1"));
     }
     if input.message.len() > 1024 {
-        return Err(ValidationError::new("message", "must be at most 1024 characters"));
+        return Err(ValidationError::new(
+            "message",
+            "must be at most 1024 characters",
+        ));
     }
     Ok(HeartbeatSpec {
         job_id,
@@ -478,10 +494,14 @@ fn optional<T>(value: &str, check: impl FnOnce(&str) -> Result<T>) -> Result<Opt
 pub fn list(input: ListInput) -> Result<ListFilter> {
     let page_size = input.page_size.unwrap_or(DEFAULT_PAGE_SIZE);
     if !(1..=MAX_PAGE_SIZE).contains(&page_size) {
-        return Err(ValidationError::new("page_size", "must be between 1 and 1000"));
+        return Err(ValidationError::new(
+            "page_size",
+            "must be between 1 and 1000",
+        ));
     }
     let before = optional(&input.page_token, |t| {
-        Uuid::parse_str(t).map_err(|_| ValidationError::new("page_token", "is not a token this server issued"))
+        Uuid::parse_str(t)
+            .map_err(|_| ValidationError::new("page_token", "is not a token this server issued"))
     })?;
     labels("labels", &input.labels)?;
     Ok(ListFilter {
@@ -568,23 +588,74 @@ mod tests {
 
     #[test]
     fn each_bad_submit_field_is_named() {
-        assert_eq!(field_of(SubmitInput { queue: String::new(), ..good() }), "queue");
-        assert_eq!(field_of(SubmitInput { queue: "a b".into(), ..good() }), "queue");
-        assert_eq!(field_of(SubmitInput { queue: "q".repeat(129), ..good() }), "queue");
-        assert_eq!(field_of(SubmitInput { kind: String::new(), ..good() }), "kind");
-        assert_eq!(field_of(SubmitInput { max_attempts: Some(0), ..good() }), "max_attempts");
-        assert_eq!(field_of(SubmitInput { max_attempts: Some(101), ..good() }), "max_attempts");
-        assert_eq!(field_of(SubmitInput { priority: 1001, ..good() }), "priority");
         assert_eq!(
-            field_of(SubmitInput { payload: json!("x".repeat(2000)), ..good() }),
+            field_of(SubmitInput {
+                queue: String::new(),
+                ..good()
+            }),
+            "queue"
+        );
+        assert_eq!(
+            field_of(SubmitInput {
+                queue: "a b".into(),
+                ..good()
+            }),
+            "queue"
+        );
+        assert_eq!(
+            field_of(SubmitInput {
+                queue: "q".repeat(129),
+                ..good()
+            }),
+            "queue"
+        );
+        assert_eq!(
+            field_of(SubmitInput {
+                kind: String::new(),
+                ..good()
+            }),
+            "kind"
+        );
+        assert_eq!(
+            field_of(SubmitInput {
+                max_attempts: Some(0),
+                ..good()
+            }),
+            "max_attempts"
+        );
+        assert_eq!(
+            field_of(SubmitInput {
+                max_attempts: Some(101),
+                ..good()
+            }),
+            "max_attempts"
+        );
+        assert_eq!(
+            field_of(SubmitInput {
+                priority: 1001,
+                ..good()
+            }),
+            "priority"
+        );
+        assert_eq!(
+            field_of(SubmitInput {
+                payload: json!("x".repeat(2000)),
+                ..good()
+            }),
             "payload"
         );
         assert_eq!(
-            field_of(SubmitInput { idempotency_key: "k".repeat(257), ..good() }),
+            field_of(SubmitInput {
+                idempotency_key: "k".repeat(257),
+                ..good()
+            }),
             "idempotency_key"
         );
         assert_eq!(
-            field_of(SubmitInput { backoff_initial: Some(Duration::ZERO), ..good() }),
+            field_of(SubmitInput {
+                backoff_initial: Some(Duration::ZERO),
+                ..good()
+            }),
             "backoff.initial"
         );
         assert_eq!(
@@ -602,7 +673,10 @@ mod tests {
             "labels[Bad Key]"
         );
         assert_eq!(
-            field_of(SubmitInput { callback_url: "ftp://x".into(), ..good() }),
+            field_of(SubmitInput {
+                callback_url: "ftp://x".into(),
+                ..good()
+            }),
             "callback_url"
         );
     }
@@ -613,7 +687,13 @@ mod tests {
         for _ in 0..=MAX_JSON_DEPTH {
             v = json!([v]);
         }
-        assert_eq!(field_of(SubmitInput { payload: v, ..good() }), "payload");
+        assert_eq!(
+            field_of(SubmitInput {
+                payload: v,
+                ..good()
+            }),
+            "payload"
+        );
     }
 
     #[test]
@@ -626,20 +706,53 @@ mod tests {
         let spec = lease(ok.clone(), &limits()).expect("valid");
         assert_eq!((spec.max_jobs, spec.wait), (1, Duration::ZERO));
         let field = |input: LeaseInput| lease(input, &limits()).unwrap_err().field;
-        assert_eq!(field(LeaseInput { queues: vec![], ..ok.clone() }), "queues");
-        assert_eq!(field(LeaseInput { worker_id: String::new(), ..ok.clone() }), "worker_id");
-        assert_eq!(field(LeaseInput { max_jobs: Some(0), ..ok.clone() }), "max_jobs");
-        assert_eq!(field(LeaseInput { max_jobs: Some(101), ..ok.clone() }), "max_jobs");
         assert_eq!(
-            field(LeaseInput { wait: Some(Duration::from_secs(61)), ..ok.clone() }),
+            field(LeaseInput {
+                queues: vec![],
+                ..ok.clone()
+            }),
+            "queues"
+        );
+        assert_eq!(
+            field(LeaseInput {
+                worker_id: String::new(),
+                ..ok.clone()
+            }),
+            "worker_id"
+        );
+        assert_eq!(
+            field(LeaseInput {
+                max_jobs: Some(0),
+                ..ok.clone()
+            }),
+            "max_jobs"
+        );
+        assert_eq!(
+            field(LeaseInput {
+                max_jobs: Some(101),
+                ..ok.clone()
+            }),
+            "max_jobs"
+        );
+        assert_eq!(
+            field(LeaseInput {
+                wait: Some(Duration::from_secs(61)),
+                ..ok.clone()
+            }),
             "wait"
         );
         assert_eq!(
-            field(LeaseInput { lease_duration: Some(Duration::ZERO), ..ok.clone() }),
+            field(LeaseInput {
+                lease_duration: Some(Duration::ZERO),
+                ..ok.clone()
+            }),
             "lease_duration"
         );
         assert_eq!(
-            field(LeaseInput { queues: vec!["ok".into(), "".into()], ..ok }),
+            field(LeaseInput {
+                queues: vec!["ok".into(), "".into()],
+                ..ok
+            }),
             "queues[1]"
         );
     }

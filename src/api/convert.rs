@@ -1,0 +1,337 @@
+//! Conversions between proto messages and domain types.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+
+use crate::domain::validate::{
+    HeartbeatInput, LeaseInput, ListInput, OutcomeInput, SubmitInput, ValidationError,
+};
+use crate::domain::{EventType, Job, JobEvent, JobState, QueueStats, WorkerSeen};
+use crate::pb;
+use crate::store::Stats;
+
+type Result<T> = std::result::Result<T, ValidationError>;
+
+pub fn timestamp(t: DateTime<Utc>) -> pbjson_types::Timestamp {
+    pbjson_types::Timestamp {
+        seconds: t.timestamp(),
+        // Always below 2e9, so it fits.
+        nanos: i32::try_from(t.timestamp_subsec_nanos()).unwrap_or(0),
+    }
+}
+
+fn opt_timestamp(t: Option<DateTime<Utc>>) -> Option<pbjson_types::Timestamp> {
+    t.map(timestamp)
+}
+
+pub fn from_timestamp(
+    field: &str,
+    t: Option<pbjson_types::Timestamp>,
+) -> Result<Option<DateTime<Utc>>> {
+    let Some(t) = t else { return Ok(None) };
+    let nanos = u32::try_from(t.nanos)
+        .ok()
+        .filter(|n| *n < 1_000_000_000)
+        .ok_or_else(|| ValidationError::new(field, "nanos must be in 0..1e9"))?;
+    DateTime::from_timestamp(t.seconds, nanos)
+        .map(Some)
+        .ok_or_else(|| ValidationError::new(field, "is not a valid time"))
+}
+
+pub fn duration(d: Duration) -> pbjson_types::Duration {
+    pbjson_types::Duration {
+        seconds: i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
+        // Always below 1e9, so it fits.
+        nanos: i32::try_from(d.subsec_nanos()).unwrap_or(0),
+    }
+}
+
+pub fn from_duration(field: &str, d: Option<pbjson_types::Duration>) -> Result<Option<Duration>> {
+    let Some(d) = d else { return Ok(None) };
+    if d.seconds < 0 || d.nanos < 0 || d.nanos >= 1_000_000_000 {
+        return Err(ValidationError::new(
+            field,
+            "must be a non-negative duration",
+        ));
+    }
+    let secs = u64::try_from(d.seconds).unwrap_or(0);
+    let nanos = u32::try_from(d.nanos).unwrap_or(0);
+    Ok(Some(Duration::new(secs, nanos)))
+}
+
+/// A protobuf `Value` as JSON; a missing value is `null`. Non-finite
+/// numbers have no JSON form and are refused.
+pub fn from_value(field: &str, v: Option<pbjson_types::Value>) -> Result<Value> {
+    match v {
+        None => Ok(Value::Null),
+        Some(v) => serde_json::to_value(&v).map_err(|_| {
+            ValidationError::new(field, "is not representable as JSON (NaN or infinity?)")
+        }),
+    }
+}
+
+pub fn value(v: &Value) -> Option<pbjson_types::Value> {
+    serde_json::from_value(v.clone()).ok()
+}
+
+fn detail_struct(v: &Option<Value>) -> Option<pbjson_types::Struct> {
+    v.as_ref()
+        .filter(|v| v.is_object())
+        .and_then(|v| serde_json::from_value(v.clone()).ok())
+}
+
+pub fn state(s: JobState) -> pb::JobState {
+    match s {
+        JobState::Queued => pb::JobState::Queued,
+        JobState::Running => pb::JobState::Running,
+        JobState::Succeeded => pb::JobState::Succeeded,
+        JobState::Failed => pb::JobState::Failed,
+        JobState::Cancelled => pb::JobState::Cancelled,
+        JobState::Expired => pb::JobState::Expired,
+    }
+}
+
+pub fn from_states(field: &str, states: &[i32]) -> Result<Vec<JobState>> {
+    states
+        .iter()
+        .map(|raw| match pb::JobState::try_from(*raw) {
+            Ok(pb::JobState::Queued) => Ok(JobState::Queued),
+            Ok(pb::JobState::Running) => Ok(JobState::Running),
+            Ok(pb::JobState::Succeeded) => Ok(JobState::Succeeded),
+            Ok(pb::JobState::Failed) => Ok(JobState::Failed),
+            Ok(pb::JobState::Cancelled) => Ok(JobState::Cancelled),
+            Ok(pb::JobState::Expired) => Ok(JobState::Expired),
+            Ok(pb::JobState::Unspecified) | Err(_) => Err(ValidationError::new(
+                field,
+                format!("{raw} is not a job state"),
+            )),
+        })
+        .collect()
+}
+
+fn event_type(t: EventType) -> pb::JobEventType {
+    match t {
+        EventType::Submitted => pb::JobEventType::Submitted,
+        EventType::Leased => pb::JobEventType::Leased,
+        EventType::Progress => pb::JobEventType::Progress,
+        EventType::RetryScheduled => pb::JobEventType::RetryScheduled,
+        EventType::LeaseExpired => pb::JobEventType::LeaseExpired,
+        EventType::CancelRequested => pb::JobEventType::CancelRequested,
+        EventType::Succeeded => pb::JobEventType::Succeeded,
+        EventType::Failed => pb::JobEventType::Failed,
+        EventType::Cancelled => pb::JobEventType::Cancelled,
+        EventType::Expired => pb::JobEventType::Expired,
+        EventType::Replayed => pb::JobEventType::Replayed,
+    }
+}
+
+pub fn job(j: &Job) -> pb::Job {
+    pb::Job {
+        id: j.id.to_string(),
+        tenant: j.tenant.clone(),
+        queue: j.queue.clone(),
+        kind: j.kind.clone(),
+        state: state(j.state) as i32,
+        payload: value(&j.payload),
+        result: j.result.as_ref().and_then(value),
+        error: j.error.as_ref().map(|e| pb::JobError {
+            class: e.class.clone(),
+            message: e.message.clone(),
+        }),
+        attempt: j.attempt,
+        max_attempts: j.max_attempts,
+        priority: j.priority,
+        idempotency_key: j.idempotency_key.clone().unwrap_or_default(),
+        input_hash: j.input_hash.clone(),
+        labels: j
+            .labels
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
+        progress: j.progress,
+        cancel_requested: j.cancel_requested,
+        cost_cents: j.cost_cents,
+        lease_owner: j.lease_owner.clone().unwrap_or_default(),
+        lease_expires_at: opt_timestamp(j.lease_expires_at),
+        run_at: Some(timestamp(j.run_at)),
+        deadline: opt_timestamp(j.deadline),
+        created_at: Some(timestamp(j.created_at)),
+        updated_at: Some(timestamp(j.updated_at)),
+        started_at: opt_timestamp(j.started_at),
+        finished_at: opt_timestamp(j.finished_at),
+        backoff: Some(pb::Backoff {
+            initial: Some(duration(j.backoff.initial())),
+            max: Some(duration(j.backoff.max())),
+        }),
+        callback_url: j.callback_url.clone().unwrap_or_default(),
+    }
+}
+
+pub fn leased_job(j: &Job) -> pb::LeasedJob {
+    pb::LeasedJob {
+        job_id: j.id.to_string(),
+        queue: j.queue.clone(),
+        kind: j.kind.clone(),
+        payload: value(&j.payload),
+        attempt: j.attempt,
+        max_attempts: j.max_attempts,
+        lease_token: j.lease_token.clone().unwrap_or_default(),
+        lease_expires_at: opt_timestamp(j.lease_expires_at),
+        deadline: opt_timestamp(j.deadline),
+        traceparent: String::new(),
+    }
+}
+
+pub fn event(e: &JobEvent) -> pb::JobEvent {
+    pb::JobEvent {
+        job_id: e.job_id.to_string(),
+        sequence: e.sequence,
+        r#type: event_type(e.kind) as i32,
+        state: state(e.state) as i32,
+        attempt: e.attempt,
+        worker_id: e.worker_id.clone().unwrap_or_default(),
+        at: Some(timestamp(e.at)),
+        detail: detail_struct(&e.detail),
+    }
+}
+
+pub fn submit_input(r: pb::SubmitRequest) -> Result<SubmitInput> {
+    let backoff = r.backoff.unwrap_or_default();
+    Ok(SubmitInput {
+        payload: from_value("payload", r.payload)?,
+        run_at: from_timestamp("run_at", r.run_at)?,
+        deadline: from_timestamp("deadline", r.deadline)?,
+        backoff_initial: from_duration("backoff.initial", backoff.initial)?,
+        backoff_max: from_duration("backoff.max", backoff.max)?,
+        queue: r.queue,
+        kind: r.kind,
+        idempotency_key: r.idempotency_key,
+        priority: r.priority,
+        max_attempts: r.max_attempts,
+        labels: r.labels.into_iter().collect(),
+        callback_url: r.callback_url,
+    })
+}
+
+pub fn lease_input(r: pb::LeaseRequest) -> Result<LeaseInput> {
+    Ok(LeaseInput {
+        lease_duration: from_duration("lease_duration", r.lease_duration)?,
+        wait: from_duration("wait", r.wait)?,
+        worker_id: r.worker_id,
+        queues: r.queues,
+        kinds: r.kinds,
+        max_jobs: r.max_jobs,
+    })
+}
+
+pub fn heartbeat_input(r: pb::HeartbeatRequest) -> Result<HeartbeatInput> {
+    Ok(HeartbeatInput {
+        extend_by: from_duration("extend_by", r.extend_by)?,
+        job_id: r.job_id,
+        lease_token: r.lease_token,
+        progress: r.progress,
+        message: r.message,
+    })
+}
+
+pub fn outcome_input(o: Option<pb::complete_request::Outcome>) -> Result<Option<OutcomeInput>> {
+    use pb::complete_request::Outcome;
+    Ok(match o {
+        None => None,
+        Some(Outcome::Success(s)) => Some(OutcomeInput::Success {
+            result: from_value("success.result", s.result)?,
+        }),
+        Some(Outcome::Failure(f)) => Some(OutcomeInput::Failure {
+            retry_after: from_duration("failure.retry_after", f.retry_after)?,
+            error_class: f.error_class,
+            message: f.message,
+            retryable: f.retryable,
+        }),
+    })
+}
+
+pub fn list_input(r: pb::ListJobsRequest) -> Result<ListInput> {
+    Ok(ListInput {
+        states: from_states("states", &r.states)?,
+        queue: r.queue,
+        kind: r.kind,
+        error_class: r.error_class,
+        labels: r.labels.into_iter().collect(),
+        page_size: r.page_size,
+        page_token: r.page_token,
+    })
+}
+
+fn queue_stats(q: &QueueStats) -> pb::QueueStats {
+    pb::QueueStats {
+        queue: q.queue.clone(),
+        counts: JobState::ALL
+            .into_iter()
+            .map(|s| pb::StateCount {
+                state: state(s) as i32,
+                count: q.count(s),
+            })
+            .collect(),
+        oldest_runnable_age: q.oldest_runnable_age.map(duration),
+        running: q.count(JobState::Running),
+        dead: q.count(JobState::Failed),
+    }
+}
+
+fn worker(w: &WorkerSeen) -> pb::WorkerInfo {
+    pb::WorkerInfo {
+        worker_id: w.worker_id.clone(),
+        queues: w.queues.clone(),
+        last_lease_at: opt_timestamp(w.last_lease_at),
+        last_heartbeat_at: opt_timestamp(w.last_heartbeat_at),
+        leases_held: w.leases_held,
+    }
+}
+
+pub fn stats(s: &Stats) -> pb::StatsResponse {
+    pb::StatsResponse {
+        queues: s.queues.iter().map(queue_stats).collect(),
+        workers: s.workers.iter().map(worker).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn negative_durations_and_bad_timestamps_name_their_field() {
+        let neg = pbjson_types::Duration {
+            seconds: -1,
+            nanos: 0,
+        };
+        assert_eq!(from_duration("wait", Some(neg)).unwrap_err().field, "wait");
+        let bad = pbjson_types::Timestamp {
+            seconds: 0,
+            nanos: -5,
+        };
+        assert_eq!(
+            from_timestamp("run_at", Some(bad)).unwrap_err().field,
+            "run_at"
+        );
+    }
+
+    #[test]
+    fn json_values_round_trip() {
+        let v = serde_json::json!({"a": [1.5, "x", null, true], "b": {"c": "d"}});
+        let pb = value(&v).expect("converts");
+        assert_eq!(from_value("payload", Some(pb)).expect("back"), v);
+    }
+
+    #[test]
+    fn unknown_states_are_refused() {
+        assert_eq!(from_states("states", &[0]).unwrap_err().field, "states");
+        assert_eq!(from_states("states", &[99]).unwrap_err().field, "states");
+        assert_eq!(
+            from_states("states", &[4]).expect("failed"),
+            vec![JobState::Failed]
+        );
+    }
+}

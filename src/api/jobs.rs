@@ -1,0 +1,327 @@
+//! `intray.v1.JobService`: the producers' and operators' API.
+
+use std::pin::Pin;
+use std::time::Duration;
+
+use chrono::Utc;
+use futures::Stream;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+use uuid::Uuid;
+
+use super::Context;
+use super::convert;
+use super::status::item_error;
+use super::tenant::tenant_of;
+use crate::domain::NewJob;
+use crate::domain::validate::{self, MAX_BATCH, ValidationError};
+use crate::pb;
+use crate::pb::job_service_server::JobService;
+use crate::store::{Store, StoreError};
+
+/// Events fetched per read of a watched job.
+const WATCH_BATCH: u32 = 500;
+/// Workers seen within this window are listed by `Stats`.
+const WORKERS_WINDOW: Duration = Duration::from_secs(300);
+
+/// The JobService implementation.
+pub struct JobsApi {
+    ctx: Context,
+}
+
+impl JobsApi {
+    /// A service over the given context.
+    pub fn new(ctx: Context) -> Self {
+        JobsApi { ctx }
+    }
+
+    fn validate_submit(&self, request: pb::SubmitRequest) -> Result<NewJob, ValidationError> {
+        let input = convert::submit_input(request)?;
+        validate::submit(input, &self.ctx.limits, Utc::now())
+    }
+}
+
+fn job_id(id: &str) -> Result<Uuid, Status> {
+    Ok(validate::job_id("id", id)?)
+}
+
+type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::JobEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl JobService for JobsApi {
+    async fn submit(
+        &self,
+        request: Request<pb::SubmitRequest>,
+    ) -> Result<Response<pb::SubmitResponse>, Status> {
+        let tenant = tenant_of(&request)?;
+        let new = self.validate_submit(request.into_inner())?;
+        let mut results = self.ctx.store.submit(&tenant, vec![new]).await?;
+        let submitted = results
+            .pop()
+            .ok_or_else(|| Status::internal("internal error"))??;
+        Ok(Response::new(pb::SubmitResponse {
+            job: Some(convert::job(&submitted.job)),
+            created: submitted.created,
+        }))
+    }
+
+    async fn submit_batch(
+        &self,
+        request: Request<pb::SubmitBatchRequest>,
+    ) -> Result<Response<pb::SubmitBatchResponse>, Status> {
+        let tenant = tenant_of(&request)?;
+        let jobs = request.into_inner().jobs;
+        if jobs.is_empty() || jobs.len() > MAX_BATCH {
+            return Err(ValidationError::new("jobs", "send 1..=1000 jobs").into());
+        }
+        // Invalid items are answered in place; the valid ones go to the store
+        // together and their answers are slotted back in order.
+        let mut answers: Vec<Option<pb::submit_batch_result::Result>> =
+            Vec::with_capacity(jobs.len());
+        let mut valid = Vec::new();
+        for (i, job) in jobs.into_iter().enumerate() {
+            match self.validate_submit(job) {
+                Ok(new) => {
+                    valid.push(new);
+                    answers.push(None);
+                }
+                Err(mut err) => {
+                    err.field = format!("jobs[{i}].{}", err.field);
+                    answers.push(Some(pb::submit_batch_result::Result::Error(item_error(
+                        err,
+                    ))));
+                }
+            }
+        }
+        let mut stored = self.ctx.store.submit(&tenant, valid).await?.into_iter();
+        let results = answers
+            .into_iter()
+            .map(|answer| {
+                let result = answer.or_else(|| {
+                    stored.next().map(|r| match r {
+                        Ok(s) => pb::submit_batch_result::Result::Ok(pb::SubmitResponse {
+                            job: Some(convert::job(&s.job)),
+                            created: s.created,
+                        }),
+                        Err(e) => pb::submit_batch_result::Result::Error(item_error(e)),
+                    })
+                });
+                pb::SubmitBatchResult { result }
+            })
+            .collect();
+        Ok(Response::new(pb::SubmitBatchResponse { results }))
+    }
+
+    async fn get(&self, request: Request<pb::GetJobRequest>) -> Result<Response<pb::Job>, Status> {
+        let tenant = tenant_of(&request)?;
+        let id = job_id(&request.get_ref().id)?;
+        let job = self.ctx.store.get(&tenant, id).await?;
+        Ok(Response::new(convert::job(&job)))
+    }
+
+    async fn cancel(
+        &self,
+        request: Request<pb::CancelJobRequest>,
+    ) -> Result<Response<pb::Job>, Status> {
+        let tenant = tenant_of(&request)?;
+        let request = request.into_inner();
+        let id = job_id(&request.id)?;
+        if request.reason.len() > 1024 {
+            return Err(ValidationError::new("reason", "must be at most 1024 characters").into());
+        }
+        let reason = (!request.reason.is_empty()).then_some(request.reason.as_str());
+        let job = self
+            .ctx
+            .store
+            .cancel(&tenant, id, reason, self.ctx.settings.cancel_grace)
+            .await?;
+        Ok(Response::new(convert::job(&job)))
+    }
+
+    type WatchJobStream = WatchStream;
+
+    async fn watch_job(
+        &self,
+        request: Request<pb::WatchJobRequest>,
+    ) -> Result<Response<WatchStream>, Status> {
+        let tenant = tenant_of(&request)?;
+        let request = request.into_inner();
+        let id = job_id(&request.id)?;
+        // Unknown or foreign ids fail the call itself, not the stream later.
+        self.ctx.store.get(&tenant, id).await?;
+        let (tx, rx) = mpsc::channel(64);
+        tokio::spawn(stream_events(
+            self.ctx.clone(),
+            tenant,
+            id,
+            request.after_sequence,
+            tx,
+        ));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn list(
+        &self,
+        request: Request<pb::ListJobsRequest>,
+    ) -> Result<Response<pb::ListJobsResponse>, Status> {
+        let tenant = tenant_of(&request)?;
+        let filter = validate::list(convert::list_input(request.into_inner())?)?;
+        let jobs = self.ctx.store.list(&tenant, &filter).await?;
+        let full_page = jobs.len() == filter.page_size as usize;
+        let next_page_token = match jobs.last() {
+            Some(last) if full_page => last.id.to_string(),
+            _ => String::new(),
+        };
+        Ok(Response::new(pb::ListJobsResponse {
+            jobs: jobs.iter().map(convert::job).collect(),
+            next_page_token,
+        }))
+    }
+
+    async fn retry(
+        &self,
+        request: Request<pb::RetryJobRequest>,
+    ) -> Result<Response<pb::RetryJobResponse>, Status> {
+        use pb::retry_job_request::Target;
+        let tenant = tenant_of(&request)?;
+        let request = request.into_inner();
+        match request.target {
+            None => Err(ValidationError::new("target", "set either id or filter").into()),
+            Some(Target::Id(id)) => {
+                let id = job_id(&id)?;
+                if request.dry_run {
+                    let job = self.ctx.store.get(&tenant, id).await?;
+                    let matched = u64::from(job.state.is_replayable());
+                    return Ok(Response::new(pb::RetryJobResponse {
+                        retried: Vec::new(),
+                        matched,
+                    }));
+                }
+                let job = self.ctx.store.retry_one(&tenant, id).await?;
+                Ok(Response::new(pb::RetryJobResponse {
+                    retried: vec![job.id.to_string()],
+                    matched: 1,
+                }))
+            }
+            Some(Target::Filter(f)) => {
+                let states = convert::from_states("filter.states", &f.states)?;
+                let filter = validate::retry_filter(
+                    &f.queue,
+                    &f.kind,
+                    &f.error_class,
+                    states,
+                    request.limit,
+                )?;
+                let done = self
+                    .ctx
+                    .store
+                    .retry_matching(&tenant, &filter, request.dry_run)
+                    .await?;
+                Ok(Response::new(pb::RetryJobResponse {
+                    retried: done.retried.iter().map(Uuid::to_string).collect(),
+                    matched: done.matched,
+                }))
+            }
+        }
+    }
+
+    async fn stats(
+        &self,
+        request: Request<pb::StatsRequest>,
+    ) -> Result<Response<pb::StatsResponse>, Status> {
+        let tenant = tenant_of(&request)?;
+        let queue = request.into_inner().queue;
+        let queue = if queue.is_empty() {
+            None
+        } else {
+            Some(validate::queue("queue", &queue)?)
+        };
+        let stats = self
+            .ctx
+            .store
+            .stats(&tenant, queue.as_deref(), WORKERS_WINDOW)
+            .await?;
+        Ok(Response::new(convert::stats(&stats)))
+    }
+}
+
+/// Feeds a `WatchJob` stream: the stored events after `after`, then new ones
+/// as they are committed, until the job's terminal event has been sent.
+///
+/// The database is the source of truth; a notification only says "read
+/// again", and a timer re-reads anyway, so a lost notification costs latency
+/// and never an event. Sequences are gap-free, so resuming from the last one
+/// seen neither skips nor repeats.
+async fn stream_events(
+    ctx: Context,
+    tenant: String,
+    id: Uuid,
+    mut after: u64,
+    tx: mpsc::Sender<Result<pb::JobEvent, Status>>,
+) {
+    let watch = ctx.notifier.watch_job(id);
+    loop {
+        let woken = watch.notify().notified();
+        tokio::pin!(woken);
+        woken.as_mut().enable();
+
+        let events = match ctx
+            .store
+            .events_after(&tenant, id, after, WATCH_BATCH)
+            .await
+        {
+            Ok(events) => events,
+            Err(err) => {
+                let _ = tx.send(Err(err.into())).await;
+                return;
+            }
+        };
+        let fetched = events.len();
+        let mut ended = false;
+        for event in events {
+            after = event.sequence;
+            ended = event.is_terminal();
+            if tx.send(Ok(convert::event(&event))).await.is_err() {
+                return;
+            }
+        }
+        if fetched == WATCH_BATCH as usize {
+            continue;
+        }
+        if ended {
+            return;
+        }
+        if fetched == 0 {
+            match finished_before(&*ctx.store, &tenant, id, after).await {
+                Ok(false) => {}
+                Ok(true) => return,
+                Err(err) => {
+                    let _ = tx.send(Err(err.into())).await;
+                    return;
+                }
+            }
+        }
+        tokio::select! {
+            () = &mut woken => {}
+            () = tokio::time::sleep(ctx.settings.fallback_poll) => {}
+            () = tx.closed() => return,
+            () = ctx.shutdown.cancelled() => return,
+        }
+    }
+}
+
+/// A watcher that resumed after the terminal event has nothing left to wait for.
+async fn finished_before(
+    store: &dyn Store,
+    tenant: &str,
+    id: Uuid,
+    after: u64,
+) -> Result<bool, StoreError> {
+    match store.get(tenant, id).await {
+        Ok(job) => Ok(job.state.is_terminal() && job.event_seq <= after),
+        // Deleted by retention meanwhile: nothing more will come.
+        Err(StoreError::NotFound) => Ok(true),
+        Err(err) => Err(err),
+    }
+}

@@ -1,0 +1,58 @@
+//! The gRPC face: tonic services, conversions between proto and domain
+//! types, and the one mapping from errors to `tonic::Status`. Proto types do
+//! not leave this module.
+
+mod convert;
+mod jobs;
+mod status;
+mod tenant;
+mod workers;
+
+pub use jobs::JobsApi;
+pub use workers::WorkersApi;
+
+use std::sync::Arc;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Settings;
+use crate::domain::Backoff;
+use crate::domain::validate::Limits;
+use crate::engine::notifier::Notifier;
+use crate::store::Store;
+
+/// What every service needs: the store, the notifier, the settings, and a
+/// token that ends long-polls and streams at shutdown.
+#[derive(Clone)]
+pub struct Context {
+    pub store: Arc<dyn Store>,
+    pub notifier: Arc<Notifier>,
+    pub settings: Arc<Settings>,
+    pub limits: Limits,
+    pub shutdown: CancellationToken,
+}
+
+impl Context {
+    /// Builds the context; fails when the configured default backoff is invalid.
+    pub fn new(
+        store: Arc<dyn Store>,
+        notifier: Arc<Notifier>,
+        settings: Settings,
+        shutdown: CancellationToken,
+    ) -> Result<Context, crate::domain::backoff::BackoffError> {
+        let limits = Limits {
+            default_max_attempts: settings.default_max_attempts,
+            default_backoff: Backoff::try_new(settings.backoff_initial, settings.backoff_max)?,
+            max_payload_bytes: settings.max_payload_bytes,
+            default_lease: settings.default_lease,
+            max_lease: settings.max_lease,
+        };
+        Ok(Context {
+            store,
+            notifier,
+            settings: Arc::new(settings),
+            limits,
+            shutdown,
+        })
+    }
+}

@@ -1,0 +1,82 @@
+//! The one place where errors become gRPC statuses. Messages never carry SQL
+//! or database text; those go to the log.
+
+use tonic::{Code, Status};
+use tonic_types::{ErrorDetails, StatusExt};
+
+use crate::domain::validate::ValidationError;
+use crate::pb;
+use crate::store::StoreError;
+
+/// Why an RPC failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error(transparent)]
+    Invalid(#[from] ValidationError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+fn code_and_message(err: &ApiError) -> (Code, String) {
+    match err {
+        ApiError::Invalid(v) => (Code::InvalidArgument, v.to_string()),
+        ApiError::Store(e) => match e {
+            StoreError::NotFound => (Code::NotFound, e.to_string()),
+            StoreError::LeaseLost => (Code::Aborted, e.to_string()),
+            StoreError::IdempotencyConflict => (Code::AlreadyExists, e.to_string()),
+            StoreError::IllegalTransition(msg) => (Code::FailedPrecondition, msg.clone()),
+            StoreError::Unavailable(source) => {
+                tracing::warn!(error = %source, "database unavailable");
+                (
+                    Code::Unavailable,
+                    "database unavailable; retry later".into(),
+                )
+            }
+            StoreError::Config(_) | StoreError::Internal(_) => {
+                tracing::error!(error = %e, "internal error");
+                (Code::Internal, "internal error".into())
+            }
+        },
+    }
+}
+
+impl From<ApiError> for Status {
+    fn from(err: ApiError) -> Status {
+        let (code, message) = code_and_message(&err);
+        match &err {
+            ApiError::Invalid(v) => Status::with_error_details(
+                code,
+                message,
+                ErrorDetails::with_bad_request_violation(v.field.clone(), v.reason.clone()),
+            ),
+            ApiError::Store(_) => Status::new(code, message),
+        }
+    }
+}
+
+impl From<ValidationError> for Status {
+    fn from(err: ValidationError) -> Status {
+        ApiError::from(err).into()
+    }
+}
+
+impl From<StoreError> for Status {
+    fn from(err: StoreError) -> Status {
+        ApiError::from(err).into()
+    }
+}
+
+/// The per-item error of a batch response.
+pub fn item_error(err: impl Into<ApiError>) -> pb::ItemError {
+    let err = err.into();
+    let (code, message) = code_and_message(&err);
+    let field = match &err {
+        ApiError::Invalid(v) => v.field.clone(),
+        ApiError::Store(_) => String::new(),
+    };
+    pb::ItemError {
+        code: code as i32,
+        message,
+        field,
+    }
+}

@@ -1,0 +1,206 @@
+//! `intray.v1.WorkerService`: lease, heartbeat and complete.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::sync::broadcast::error::RecvError;
+use tokio::time::Instant;
+use tonic::{Request, Response, Status};
+
+use super::Context;
+use super::convert;
+use super::status::item_error;
+use super::tenant::tenant_of;
+use crate::domain::validate::{self, MAX_BATCH, ValidationError};
+use crate::domain::{CompleteSpec, Job, LeaseSpec};
+use crate::engine::notifier::{ANY_QUEUE, queue_key};
+use crate::pb;
+use crate::pb::worker_service_server::WorkerService;
+use crate::store::StoreError;
+
+/// A worker's `workers` row is refreshed at most this often, so a busy
+/// worker's polling does not turn into a write per call.
+const WORKER_TOUCH_INTERVAL: Duration = Duration::from_secs(10);
+
+/// The WorkerService implementation.
+pub struct WorkersApi {
+    ctx: Context,
+    /// When this replica last recorded each (tenant, worker).
+    touched: Mutex<HashMap<(String, String), Instant>>,
+}
+
+impl WorkersApi {
+    /// A service over the given context.
+    pub fn new(ctx: Context) -> Self {
+        WorkersApi {
+            ctx,
+            touched: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Records the worker for `Stats`, at most once per interval. A failure
+    /// here must not cost the worker its lease call, so it is only logged.
+    async fn touch_worker(&self, tenant: &str, spec: &LeaseSpec) {
+        let now = Instant::now();
+        {
+            let mut touched = self.touched.lock().unwrap_or_else(|e| e.into_inner());
+            let key = (tenant.to_owned(), spec.worker_id.clone());
+            if touched
+                .get(&key)
+                .is_some_and(|at| now.duration_since(*at) < WORKER_TOUCH_INTERVAL)
+            {
+                return;
+            }
+            if touched.len() > 10_000 {
+                touched.retain(|_, at| now.duration_since(*at) < WORKER_TOUCH_INTERVAL);
+            }
+            touched.insert(key, now);
+        }
+        if let Err(err) = self
+            .ctx
+            .store
+            .touch_worker(tenant, &spec.worker_id, &spec.queues)
+            .await
+        {
+            tracing::warn!(error = %err, worker_id = %spec.worker_id, "could not record worker");
+        }
+    }
+
+    /// Claims, and while nothing is runnable waits for a wake-up on one of
+    /// the requested queues (or the fallback timer) until `spec.wait` ends.
+    async fn lease_or_wait(&self, tenant: &str, spec: &LeaseSpec) -> Result<Vec<Job>, StoreError> {
+        let give_up = Instant::now() + spec.wait;
+        let keys: HashSet<String> = spec.queues.iter().map(|q| queue_key(tenant, q)).collect();
+        // Subscribed before the first claim, so a submit that commits between
+        // the claim and the wait still wakes us.
+        let mut wakeups = self.ctx.notifier.subscribe_queues();
+        loop {
+            let jobs = self.ctx.store.lease(tenant, spec).await?;
+            let now = Instant::now();
+            if !jobs.is_empty() || now >= give_up || self.ctx.shutdown.is_cancelled() {
+                return Ok(jobs);
+            }
+            let retry_at = give_up.min(now + self.ctx.settings.fallback_poll);
+            loop {
+                tokio::select! {
+                    message = wakeups.recv() => match message {
+                        Ok(key) if keys.contains(&*key) || &*key == ANY_QUEUE => break,
+                        Ok(_) => continue,
+                        Err(RecvError::Lagged(_)) => break,
+                        Err(RecvError::Closed) => {
+                            tokio::time::sleep_until(retry_at).await;
+                            break;
+                        }
+                    },
+                    () = tokio::time::sleep_until(retry_at) => break,
+                    () = self.ctx.shutdown.cancelled() => return Ok(Vec::new()),
+                }
+            }
+        }
+    }
+
+    fn validate_complete(
+        &self,
+        request: pb::CompleteRequest,
+    ) -> Result<CompleteSpec, ValidationError> {
+        let outcome = convert::outcome_input(request.outcome)?;
+        validate::complete(
+            &request.job_id,
+            &request.lease_token,
+            outcome,
+            request.cost_cents,
+            &self.ctx.limits,
+        )
+    }
+}
+
+#[tonic::async_trait]
+impl WorkerService for WorkersApi {
+    async fn lease(
+        &self,
+        request: Request<pb::LeaseRequest>,
+    ) -> Result<Response<pb::LeaseResponse>, Status> {
+        let tenant = tenant_of(&request)?;
+        let spec = validate::lease(
+            convert::lease_input(request.into_inner())?,
+            &self.ctx.limits,
+        )?;
+        self.touch_worker(&tenant, &spec).await;
+        let jobs = self.lease_or_wait(&tenant, &spec).await?;
+        Ok(Response::new(pb::LeaseResponse {
+            jobs: jobs.iter().map(convert::leased_job).collect(),
+        }))
+    }
+
+    async fn heartbeat(
+        &self,
+        request: Request<pb::HeartbeatRequest>,
+    ) -> Result<Response<pb::HeartbeatResponse>, Status> {
+        let tenant = tenant_of(&request)?;
+        let spec = validate::heartbeat(
+            convert::heartbeat_input(request.into_inner())?,
+            &self.ctx.limits,
+        )?;
+        let ack = self.ctx.store.heartbeat(&tenant, &spec).await?;
+        Ok(Response::new(pb::HeartbeatResponse {
+            lease_expires_at: Some(convert::timestamp(ack.lease_expires_at)),
+            cancel_requested: ack.cancel_requested,
+        }))
+    }
+
+    async fn complete(
+        &self,
+        request: Request<pb::CompleteRequest>,
+    ) -> Result<Response<pb::CompleteResponse>, Status> {
+        let tenant = tenant_of(&request)?;
+        let spec = self.validate_complete(request.into_inner())?;
+        let mut results = self.ctx.store.complete(&tenant, vec![spec]).await?;
+        let job = results
+            .pop()
+            .ok_or_else(|| Status::internal("internal error"))??;
+        Ok(Response::new(pb::CompleteResponse {
+            job: Some(convert::job(&job)),
+        }))
+    }
+
+    async fn complete_batch(
+        &self,
+        request: Request<pb::CompleteBatchRequest>,
+    ) -> Result<Response<pb::CompleteBatchResponse>, Status> {
+        use pb::complete_batch_result::Result as Item;
+        let tenant = tenant_of(&request)?;
+        let items = request.into_inner().items;
+        if items.is_empty() || items.len() > MAX_BATCH {
+            return Err(ValidationError::new("items", "send 1..=1000 items").into());
+        }
+        let mut answers: Vec<Option<Item>> = Vec::with_capacity(items.len());
+        let mut valid = Vec::new();
+        for (i, item) in items.into_iter().enumerate() {
+            match self.validate_complete(item) {
+                Ok(spec) => {
+                    valid.push(spec);
+                    answers.push(None);
+                }
+                Err(mut err) => {
+                    err.field = format!("items[{i}].{}", err.field);
+                    answers.push(Some(Item::Error(item_error(err))));
+                }
+            }
+        }
+        let mut stored = self.ctx.store.complete(&tenant, valid).await?.into_iter();
+        let results = answers
+            .into_iter()
+            .map(|answer| {
+                let result = answer.or_else(|| {
+                    stored.next().map(|r| match r {
+                        Ok(job) => Item::Job(convert::job(&job)),
+                        Err(e) => Item::Error(item_error(e)),
+                    })
+                });
+                pb::CompleteBatchResult { result }
+            })
+            .collect();
+        Ok(Response::new(pb::CompleteBatchResponse { results }))
+    }
+}

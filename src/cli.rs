@@ -1,0 +1,113 @@
+//! Flags of `intray serve` and `intray migrate`, each with an `INTRAY_*`
+//! environment equivalent, turned into [`Settings`].
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::Args;
+
+use crate::config::Settings;
+
+/// Database used when neither a flag nor an environment variable names one.
+pub const DEFAULT_DATABASE_URL: &str = "sqlite://intray.db";
+
+fn duration(s: &str) -> Result<Duration, humantime::DurationError> {
+    humantime::parse_duration(s)
+}
+
+/// Where the database is.
+#[derive(Args, Debug, Clone)]
+pub struct DatabaseArgs {
+    /// Database URL: `sqlite://PATH` (created if missing) or `postgres://...`.
+    /// Falls back to DATABASE_URL, then to sqlite://intray.db.
+    #[arg(long, env = "INTRAY_DATABASE_URL", value_name = "URL")]
+    pub database_url: Option<String>,
+}
+
+impl DatabaseArgs {
+    /// The flag, else `INTRAY_DATABASE_URL`, else `DATABASE_URL`, else the default.
+    pub fn url(&self) -> String {
+        self.database_url
+            .clone()
+            .or_else(|| std::env::var("DATABASE_URL").ok().filter(|v| !v.is_empty()))
+            .unwrap_or_else(|| DEFAULT_DATABASE_URL.to_owned())
+    }
+}
+
+/// `intray serve`.
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// Address of the gRPC API.
+    #[arg(long, env = "INTRAY_GRPC_ADDR", default_value = "0.0.0.0:50051")]
+    pub grpc_addr: SocketAddr,
+
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+
+    /// Connections in the PostgreSQL pool.
+    #[arg(long, env = "INTRAY_MAX_CONNECTIONS", default_value_t = 16)]
+    pub max_connections: u32,
+
+    /// How often the reaper reclaims expired leases and expires jobs past their deadline.
+    #[arg(long, env = "INTRAY_REAPER_INTERVAL", default_value = "5s", value_parser = duration)]
+    pub reaper_interval: Duration,
+
+    /// Lease length when a worker does not ask for one.
+    #[arg(long, env = "INTRAY_LEASE_DURATION", default_value = "60s", value_parser = duration)]
+    pub lease_duration: Duration,
+
+    /// Longest lease a worker may ask for.
+    #[arg(long, env = "INTRAY_MAX_LEASE_DURATION", default_value = "1h", value_parser = duration)]
+    pub max_lease_duration: Duration,
+
+    /// Attempts per job when the submitter does not say (1..=100).
+    #[arg(long, env = "INTRAY_MAX_ATTEMPTS", default_value_t = 3)]
+    pub max_attempts: u32,
+
+    /// Backoff base when the submitter does not say.
+    #[arg(long, env = "INTRAY_BACKOFF_INITIAL", default_value = "5s", value_parser = duration)]
+    pub backoff_initial: Duration,
+
+    /// Backoff cap when the submitter does not say.
+    #[arg(long, env = "INTRAY_BACKOFF_MAX", default_value = "5m", value_parser = duration)]
+    pub backoff_max: Duration,
+
+    /// Largest payload or result, in bytes of JSON.
+    #[arg(long, env = "INTRAY_MAX_PAYLOAD_BYTES", default_value_t = 1024 * 1024)]
+    pub max_payload_bytes: usize,
+
+    /// How long a running job may ignore a cancel before it is cancelled anyway.
+    #[arg(long, env = "INTRAY_CANCEL_GRACE", default_value = "30s", value_parser = duration)]
+    pub cancel_grace: Duration,
+
+    /// How often waiting Lease and WatchJob calls re-read the database without a notification.
+    #[arg(long, env = "INTRAY_FALLBACK_POLL", default_value = "1s", value_parser = duration)]
+    pub fallback_poll: Duration,
+}
+
+impl ServeArgs {
+    /// The settings these flags describe.
+    pub fn settings(&self) -> Result<Settings, String> {
+        if !(1..=100).contains(&self.max_attempts) {
+            return Err("--max-attempts must be between 1 and 100".into());
+        }
+        if self.lease_duration > self.max_lease_duration {
+            return Err("--lease-duration must not exceed --max-lease-duration".into());
+        }
+        if self.reaper_interval.is_zero() || self.fallback_poll.is_zero() {
+            return Err("--reaper-interval and --fallback-poll must be above zero".into());
+        }
+        let mut s = Settings::new(self.database.url());
+        s.max_connections = self.max_connections;
+        s.reaper_interval = self.reaper_interval;
+        s.default_lease = self.lease_duration;
+        s.max_lease = self.max_lease_duration;
+        s.default_max_attempts = self.max_attempts;
+        s.backoff_initial = self.backoff_initial;
+        s.backoff_max = self.backoff_max;
+        s.max_payload_bytes = self.max_payload_bytes;
+        s.cancel_grace = self.cancel_grace;
+        s.fallback_poll = self.fallback_poll;
+        Ok(s)
+    }
+}

@@ -1,0 +1,179 @@
+//! Errors of the client commands, and how they read on a terminal.
+
+use std::fmt::Write as _;
+
+use tonic::Code;
+use tonic_types::StatusExt;
+
+/// Why a client command failed.
+///
+/// `Display` gives the whole story on one or more lines (without a leading
+/// "error:"), so `main` only has to print it and exit with [`Self::exit_code`].
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// An argument is malformed or cannot be read (payload file, JSON).
+    #[error("{0}")]
+    BadArgument(String),
+
+    /// The server could not be reached.
+    #[error("cannot connect to {addr}: {}", error_chain(source))]
+    Connect {
+        /// The address as it was tried.
+        addr: String,
+        /// What the transport said.
+        #[source]
+        source: tonic::transport::Error,
+    },
+
+    /// The server answered with an error status.
+    // Boxed because a Status is a few hundred bytes and would make every
+    // `Result<_, ClientError>` that large.
+    #[error("{}", describe_status(.0))]
+    Status(Box<tonic::Status>),
+
+    /// A response could not be written as JSON.
+    #[error("cannot encode the response as JSON: {0}")]
+    Json(#[from] serde_json::Error),
+
+    /// Standard output could not be written.
+    #[error("cannot write the output: {0}")]
+    Output(#[source] std::io::Error),
+}
+
+impl ClientError {
+    /// The process exit code for this error: 2 when the input was wrong
+    /// (including a server `INVALID_ARGUMENT`), as clap does for usage errors;
+    /// 1 for everything else.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            ClientError::BadArgument(_) => 2,
+            ClientError::Status(status) if status.code() == Code::InvalidArgument => 2,
+            _ => 1,
+        }
+    }
+
+    /// The gRPC status, when the server answered with an error.
+    pub fn status(&self) -> Option<&tonic::Status> {
+        match self {
+            ClientError::Status(status) => Some(status),
+            _ => None,
+        }
+    }
+}
+
+impl From<tonic::Status> for ClientError {
+    fn from(status: tonic::Status) -> Self {
+        ClientError::Status(Box::new(status))
+    }
+}
+
+/// The canonical name of a gRPC code, as grpcurl and the specs write it.
+pub fn code_name(code: Code) -> &'static str {
+    match code {
+        Code::Ok => "OK",
+        Code::Cancelled => "CANCELLED",
+        Code::Unknown => "UNKNOWN",
+        Code::InvalidArgument => "INVALID_ARGUMENT",
+        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
+        Code::NotFound => "NOT_FOUND",
+        Code::AlreadyExists => "ALREADY_EXISTS",
+        Code::PermissionDenied => "PERMISSION_DENIED",
+        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
+        Code::FailedPrecondition => "FAILED_PRECONDITION",
+        Code::Aborted => "ABORTED",
+        Code::OutOfRange => "OUT_OF_RANGE",
+        Code::Unimplemented => "UNIMPLEMENTED",
+        Code::Internal => "INTERNAL",
+        Code::Unavailable => "UNAVAILABLE",
+        Code::DataLoss => "DATA_LOSS",
+        Code::Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
+/// `CODE: message`, then the rich details a user can act on: the fields a
+/// `BadRequest` names and the delay a `RetryInfo` asks for.
+fn describe_status(status: &tonic::Status) -> String {
+    let mut text = format!("{}: {}", code_name(status.code()), status.message());
+    let details = status.get_error_details();
+    if let Some(bad_request) = details.bad_request() {
+        for violation in &bad_request.field_violations {
+            let _ = write!(text, "\n  {}: {}", violation.field, violation.description);
+        }
+    }
+    if let Some(delay) = details.retry_info().and_then(|info| info.retry_delay) {
+        let _ = write!(
+            text,
+            "\n  retry after {}",
+            super::print::format_duration(delay)
+        );
+    }
+    // A transport failure arrives as a Status whose message hides the cause
+    // ("transport error"); the source chain says what actually went wrong.
+    if let Some(source) = std::error::Error::source(status) {
+        let _ = write!(text, " ({})", error_chain(source));
+    }
+    text
+}
+
+/// An error and its sources joined with ": ", because transport errors put
+/// the useful part ("Connection refused") several levels down.
+fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        // Some layers repeat their source's text in their own.
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tonic_types::{ErrorDetails, FieldViolation};
+
+    use super::*;
+
+    #[test]
+    fn invalid_argument_lists_the_field_violations() {
+        let details = ErrorDetails::with_bad_request(vec![
+            FieldViolation::new("queue", "must not be empty"),
+            FieldViolation::new("max_attempts", "must be 1..=100"),
+        ]);
+        let status =
+            tonic::Status::with_error_details(Code::InvalidArgument, "invalid job", details);
+        let error = ClientError::from(status);
+        assert_eq!(
+            error.to_string(),
+            "INVALID_ARGUMENT: invalid job\n  queue: must not be empty\n  max_attempts: must be 1..=100"
+        );
+        assert_eq!(error.exit_code(), 2);
+    }
+
+    #[test]
+    fn resource_exhausted_says_when_to_retry() {
+        let details = ErrorDetails::with_retry_info(Some(Duration::from_secs(5)));
+        let status =
+            tonic::Status::with_error_details(Code::ResourceExhausted, "queue is full", details);
+        let error = ClientError::from(status);
+        assert_eq!(
+            error.to_string(),
+            "RESOURCE_EXHAUSTED: queue is full\n  retry after 5s"
+        );
+        assert_eq!(error.exit_code(), 1);
+    }
+
+    #[test]
+    fn plain_status_is_code_and_message() {
+        let error = ClientError::from(tonic::Status::not_found("job not found"));
+        assert_eq!(error.to_string(), "NOT_FOUND: job not found");
+        assert_eq!(error.exit_code(), 1);
+        assert_eq!(ClientError::BadArgument("x".into()).exit_code(), 2);
+    }
+}

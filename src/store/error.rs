@@ -1,0 +1,71 @@
+//! Store errors, and the one place where database errors are classified.
+
+use crate::domain::transition::TransitionError;
+
+/// Why a store call failed. Messages never carry SQL or row data of other
+/// tenants; the database's own text stays in the logs.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// No such job for this tenant.
+    #[error("job not found")]
+    NotFound,
+    /// The lease token is not the job's current one.
+    #[error("lease lost: the job is no longer held with this lease token")]
+    LeaseLost,
+    /// The idempotency key was used before with other input.
+    #[error("idempotency key already used with different input")]
+    IdempotencyConflict,
+    /// The job's state does not allow the transition.
+    #[error("{0}")]
+    IllegalTransition(String),
+    /// The database cannot be reached (or the pool is exhausted); retry later.
+    #[error("database unavailable")]
+    Unavailable(#[source] sqlx::Error),
+    /// A bad database URL or similar.
+    #[error("{0}")]
+    Config(String),
+    /// Anything else: a bug or a corrupt row.
+    #[error("internal store error: {0}")]
+    Internal(String),
+}
+
+impl From<sqlx::Error> for StoreError {
+    fn from(err: sqlx::Error) -> Self {
+        match &err {
+            sqlx::Error::Io(_)
+            | sqlx::Error::Tls(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::WorkerCrashed
+            | sqlx::Error::Protocol(_) => StoreError::Unavailable(err),
+            sqlx::Error::Database(db) => match db.code().as_deref() {
+                // serialization failure, deadlock, admin shutdown, cannot connect now,
+                // too many connections, SQLite busy/locked
+                Some(
+                    "40001" | "40P01" | "57P01" | "57P03" | "53300" | "5" | "6" | "261" | "517",
+                ) => StoreError::Unavailable(err),
+                _ => StoreError::Internal(err.to_string()),
+            },
+            sqlx::Error::Configuration(e) => StoreError::Config(e.to_string()),
+            _ => StoreError::Internal(err.to_string()),
+        }
+    }
+}
+
+impl From<sqlx::migrate::MigrateError> for StoreError {
+    fn from(err: sqlx::migrate::MigrateError) -> Self {
+        match err {
+            sqlx::migrate::MigrateError::Execute(e) => e.into(),
+            other => StoreError::Internal(other.to_string()),
+        }
+    }
+}
+
+impl From<TransitionError> for StoreError {
+    fn from(err: TransitionError) -> Self {
+        match err {
+            TransitionError::LeaseLost => StoreError::LeaseLost,
+            TransitionError::Illegal(msg) => StoreError::IllegalTransition(msg),
+        }
+    }
+}

@@ -1,0 +1,174 @@
+//! Persistence: one [`Store`] interface, implemented on PostgreSQL and on
+//! SQLite. Every transition writes the job row and its event in one
+//! transaction; claims are decided by the database (`FOR UPDATE SKIP LOCKED`
+//! on PostgreSQL, the single writer on SQLite).
+
+mod changes;
+mod error;
+pub mod postgres;
+pub mod sqlite;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use uuid::Uuid;
+
+use crate::config::Settings;
+use crate::domain::{
+    CompleteSpec, HeartbeatAck, HeartbeatSpec, Job, JobEvent, LeaseSpec, ListFilter, NewJob,
+    QueueStats, RetryFilter, WorkerSeen,
+};
+use crate::engine::notifier::Notifier;
+
+pub use error::StoreError;
+
+/// Result of a store call.
+pub type StoreResult<T> = Result<T, StoreError>;
+
+/// A job returned by `submit`, and whether this call created it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Submitted {
+    pub job: Job,
+    pub created: bool,
+}
+
+/// What a bulk retry did.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Retried {
+    pub retried: Vec<Uuid>,
+    pub matched: u64,
+}
+
+/// Queue counts and recently seen workers.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Stats {
+    pub queues: Vec<QueueStats>,
+    pub workers: Vec<WorkerSeen>,
+}
+
+/// What the reaper did in one pass.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Reaped {
+    /// Running jobs whose lease ran out (requeued, failed, cancelled or expired).
+    pub expired_leases: u64,
+    /// Queued jobs past their deadline.
+    pub expired_deadlines: u64,
+}
+
+/// The persistence interface. Every method is scoped to a tenant: another
+/// tenant's job is `NotFound`, exactly like a missing one.
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Stores new jobs with their `SUBMITTED` events. Each item succeeds or
+    /// fails alone (an idempotency conflict is `AlreadyExists`); the accepted
+    /// ones commit together.
+    async fn submit(
+        &self,
+        tenant: &str,
+        jobs: Vec<NewJob>,
+    ) -> StoreResult<Vec<StoreResult<Submitted>>>;
+
+    /// One job.
+    async fn get(&self, tenant: &str, id: Uuid) -> StoreResult<Job>;
+
+    /// Cancels a queued job, or requests the cancel of a running one (its
+    /// lease is cut to `grace`).
+    async fn cancel(
+        &self,
+        tenant: &str,
+        id: Uuid,
+        reason: Option<&str>,
+        grace: Duration,
+    ) -> StoreResult<Job>;
+
+    /// Events with a sequence above `after`, in order, at most `limit`.
+    async fn events_after(
+        &self,
+        tenant: &str,
+        id: Uuid,
+        after: u64,
+        limit: u32,
+    ) -> StoreResult<Vec<JobEvent>>;
+
+    /// A page of jobs, newest first.
+    async fn list(&self, tenant: &str, filter: &ListFilter) -> StoreResult<Vec<Job>>;
+
+    /// Replays one job (`IllegalTransition` unless failed, cancelled or expired).
+    async fn retry_one(&self, tenant: &str, id: Uuid) -> StoreResult<Job>;
+
+    /// Replays every job matching the filter, up to its limit; with `dry_run`
+    /// only counts them.
+    async fn retry_matching(
+        &self,
+        tenant: &str,
+        filter: &RetryFilter,
+        dry_run: bool,
+    ) -> StoreResult<Retried>;
+
+    /// Counts per queue (one queue, or all of the tenant's) and the workers
+    /// seen since `workers_since` ago.
+    async fn stats(
+        &self,
+        tenant: &str,
+        queue: Option<&str>,
+        workers_since: Duration,
+    ) -> StoreResult<Stats>;
+
+    /// One claim: up to `spec.max_jobs` runnable jobs, now `Running` under a
+    /// fresh lease token. Empty when nothing is runnable (no waiting here).
+    async fn lease(&self, tenant: &str, spec: &LeaseSpec) -> StoreResult<Vec<Job>>;
+
+    /// Records that a worker asked for work, for `Stats`.
+    async fn touch_worker(
+        &self,
+        tenant: &str,
+        worker_id: &str,
+        queues: &[String],
+    ) -> StoreResult<()>;
+
+    /// Extends a lease held under `spec.lease_token` (`LeaseLost` otherwise).
+    async fn heartbeat(&self, tenant: &str, spec: &HeartbeatSpec) -> StoreResult<HeartbeatAck>;
+
+    /// Applies outcomes; each item is fenced by its lease token and fails alone.
+    async fn complete(
+        &self,
+        tenant: &str,
+        items: Vec<CompleteSpec>,
+    ) -> StoreResult<Vec<StoreResult<Job>>>;
+
+    /// One reaper pass over at most `batch` rows of each kind. Safe to run
+    /// from several replicas at once.
+    async fn reap(&self, batch: u32) -> StoreResult<Reaped>;
+}
+
+/// Opens the database named by `settings.database_url`, applies migrations,
+/// and starts whatever the backend needs to feed `notifier` (PostgreSQL's
+/// `LISTEN`).
+pub async fn open(settings: &Settings, notifier: Arc<Notifier>) -> StoreResult<Arc<dyn Store>> {
+    let url = settings.database_url.as_str();
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        Ok(Arc::new(postgres::PgStore::open(settings, notifier).await?))
+    } else if url.starts_with("sqlite:") {
+        Ok(Arc::new(
+            sqlite::SqliteStore::open(settings, notifier).await?,
+        ))
+    } else {
+        Err(StoreError::Config(
+            "database url must start with sqlite: or postgres://".into(),
+        ))
+    }
+}
+
+/// Applies the migrations of the database named by `url` and returns.
+pub async fn migrate(url: &str) -> StoreResult<()> {
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        postgres::migrate(url).await
+    } else if url.starts_with("sqlite:") {
+        sqlite::migrate(url).await
+    } else {
+        Err(StoreError::Config(
+            "database url must start with sqlite: or postgres://".into(),
+        ))
+    }
+}

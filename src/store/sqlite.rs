@@ -1,0 +1,857 @@
+//! The embedded SQLite store: one file, one process.
+//!
+//! All writes go through a single connection in `BEGIN IMMEDIATE`
+//! transactions, so claims never race; reads use a separate pool (WAL lets
+//! them run beside the writer). `synchronous = FULL` makes every commit
+//! durable before the caller hears about it. Timestamps are Unix milliseconds
+//! of this process's clock, which is the only clock that writes this file.
+
+use std::collections::BTreeMap;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
+    SqliteSynchronous,
+};
+use sqlx::{Row, SqliteConnection, Transaction};
+use uuid::Uuid;
+
+use super::changes::Changes;
+use super::{Reaped, Retried, Stats, Store, StoreError, StoreResult, Submitted};
+use crate::config::Settings;
+use crate::domain::transition::{self, TransitionError};
+use crate::domain::{
+    Backoff, CompleteSpec, EventType, HeartbeatAck, HeartbeatSpec, Job, JobError, JobEvent,
+    JobState, LeaseSpec, ListFilter, NewJob, QueueStats, RetryFilter, WorkerSeen,
+};
+use crate::engine::notifier::Notifier;
+
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqlite");
+
+fn options(url: &str) -> StoreResult<SqliteConnectOptions> {
+    Ok(SqliteConnectOptions::from_str(url)?
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .synchronous(SqliteSynchronous::Full)
+        .foreign_keys(true)
+        .busy_timeout(Duration::from_secs(5)))
+}
+
+/// Applies the SQLite migrations (creating the file if needed).
+pub async fn migrate(url: &str) -> StoreResult<()> {
+    let pool = SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect_with(options(url)?)
+        .await?;
+    MIGRATOR.run(&pool).await?;
+    pool.close().await;
+    Ok(())
+}
+
+/// The SQLite implementation of [`Store`].
+pub struct SqliteStore {
+    /// Exactly one connection: SQLite has one writer, and queueing writers
+    /// here is cheaper than letting them collide on the file lock.
+    writer: SqlitePool,
+    reader: SqlitePool,
+    notifier: Arc<Notifier>,
+}
+
+type Tx = Transaction<'static, sqlx::Sqlite>;
+
+fn ms(t: DateTime<Utc>) -> i64 {
+    t.timestamp_millis()
+}
+
+fn opt_ms(t: Option<DateTime<Utc>>) -> Option<i64> {
+    t.map(ms)
+}
+
+fn duration_ms(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+fn corrupt(column: &str) -> StoreError {
+    StoreError::Internal(format!("corrupt value in column {column}"))
+}
+
+fn ts(row: &SqliteRow, column: &str) -> StoreResult<DateTime<Utc>> {
+    DateTime::from_timestamp_millis(row.try_get(column)?).ok_or_else(|| corrupt(column))
+}
+
+fn opt_ts(row: &SqliteRow, column: &str) -> StoreResult<Option<DateTime<Utc>>> {
+    match row.try_get::<Option<i64>, _>(column)? {
+        None => Ok(None),
+        Some(v) => DateTime::from_timestamp_millis(v)
+            .map(Some)
+            .ok_or_else(|| corrupt(column)),
+    }
+}
+
+fn json<T: serde::de::DeserializeOwned>(row: &SqliteRow, column: &str) -> StoreResult<T> {
+    let text: String = row.try_get(column)?;
+    serde_json::from_str(&text).map_err(|_| corrupt(column))
+}
+
+fn opt_json<T: serde::de::DeserializeOwned>(
+    row: &SqliteRow,
+    column: &str,
+) -> StoreResult<Option<T>> {
+    match row.try_get::<Option<String>, _>(column)? {
+        None => Ok(None),
+        Some(text) => serde_json::from_str(&text)
+            .map(Some)
+            .map_err(|_| corrupt(column)),
+    }
+}
+
+fn to_json(v: &impl serde::Serialize) -> String {
+    // Serialising plain JSON values and string maps cannot fail.
+    serde_json::to_string(v).unwrap_or_default()
+}
+
+fn uuid(row: &SqliteRow, column: &str) -> StoreResult<Uuid> {
+    let text: String = row.try_get(column)?;
+    Uuid::parse_str(&text).map_err(|_| corrupt(column))
+}
+
+fn to_u32(v: i64, column: &str) -> StoreResult<u32> {
+    u32::try_from(v).map_err(|_| corrupt(column))
+}
+
+fn to_u64(v: i64, column: &str) -> StoreResult<u64> {
+    u64::try_from(v).map_err(|_| corrupt(column))
+}
+
+fn job_from_row(row: &SqliteRow) -> StoreResult<Job> {
+    let state: String = row.try_get("state")?;
+    let error_class: Option<String> = row.try_get("error_class")?;
+    let error_message: Option<String> = row.try_get("error_message")?;
+    let backoff = Backoff::try_new(
+        Duration::from_millis(to_u64(
+            row.try_get("backoff_initial_ms")?,
+            "backoff_initial_ms",
+        )?),
+        Duration::from_millis(to_u64(row.try_get("backoff_max_ms")?, "backoff_max_ms")?),
+    )
+    .map_err(|_| corrupt("backoff"))?;
+    Ok(Job {
+        id: uuid(row, "id")?,
+        tenant: row.try_get("tenant")?,
+        queue: row.try_get("queue")?,
+        kind: row.try_get("kind")?,
+        state: JobState::parse(&state).ok_or_else(|| corrupt("state"))?,
+        payload: json(row, "payload")?,
+        result: opt_json(row, "result")?,
+        error: error_class.map(|class| JobError {
+            class,
+            message: error_message.unwrap_or_default(),
+        }),
+        attempt: to_u32(row.try_get("attempt")?, "attempt")?,
+        max_attempts: to_u32(row.try_get("max_attempts")?, "max_attempts")?,
+        priority: row.try_get("priority")?,
+        idempotency_key: row.try_get("idempotency_key")?,
+        input_hash: row.try_get("input_hash")?,
+        labels: json(row, "labels")?,
+        progress: row.try_get("progress")?,
+        cancel_requested: row.try_get("cancel_requested")?,
+        cancel_requested_at: opt_ts(row, "cancel_requested_at")?,
+        cost_cents: row.try_get("cost_cents")?,
+        lease_owner: row.try_get("lease_owner")?,
+        lease_token: row.try_get("lease_token")?,
+        lease_expires_at: opt_ts(row, "lease_expires_at")?,
+        run_at: ts(row, "run_at")?,
+        deadline: opt_ts(row, "deadline")?,
+        backoff,
+        callback_url: row.try_get("callback_url")?,
+        created_at: ts(row, "created_at")?,
+        updated_at: ts(row, "updated_at")?,
+        started_at: opt_ts(row, "started_at")?,
+        finished_at: opt_ts(row, "finished_at")?,
+        event_seq: to_u64(row.try_get("event_seq")?, "event_seq")?,
+    })
+}
+
+fn event_from_row(row: &SqliteRow) -> StoreResult<JobEvent> {
+    let kind: String = row.try_get("type")?;
+    let state: String = row.try_get("state")?;
+    Ok(JobEvent {
+        job_id: uuid(row, "job_id")?,
+        sequence: to_u64(row.try_get("sequence")?, "sequence")?,
+        kind: EventType::parse(&kind).ok_or_else(|| corrupt("type"))?,
+        state: JobState::parse(&state).ok_or_else(|| corrupt("state"))?,
+        attempt: to_u32(row.try_get("attempt")?, "attempt")?,
+        worker_id: row.try_get("worker_id")?,
+        at: ts(row, "at")?,
+        detail: opt_json(row, "detail")?,
+    })
+}
+
+async fn insert_event(conn: &mut SqliteConnection, event: &JobEvent) -> StoreResult<()> {
+    sqlx::query(
+        "INSERT INTO job_events (job_id, sequence, type, state, attempt, worker_id, at, detail)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+    )
+    .bind(event.job_id.to_string())
+    .bind(i64::try_from(event.sequence).map_err(|_| corrupt("sequence"))?)
+    .bind(event.kind.as_str())
+    .bind(event.state.as_str())
+    .bind(i64::from(event.attempt))
+    .bind(event.worker_id.as_deref())
+    .bind(ms(event.at))
+    .bind(event.detail.as_ref().map(to_json))
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// Writes a job after a domain transition, and its event, in the caller's
+/// transaction; the `event_seq` guard refuses a lost update.
+async fn save(conn: &mut SqliteConnection, job: &Job, event: &JobEvent) -> StoreResult<()> {
+    let previous_seq = i64::try_from(event.sequence - 1).map_err(|_| corrupt("event_seq"))?;
+    let done = sqlx::query(
+        "UPDATE jobs SET state = ?2, result = ?3, error_class = ?4, error_message = ?5,
+            attempt = ?6, progress = ?7, cancel_requested = ?8, cancel_requested_at = ?9,
+            cost_cents = ?10, lease_owner = ?11, lease_token = ?12, lease_expires_at = ?13,
+            run_at = ?14, deadline = ?15, updated_at = ?16, finished_at = ?17, event_seq = ?18
+         WHERE id = ?1 AND event_seq = ?19",
+    )
+    .bind(job.id.to_string())
+    .bind(job.state.as_str())
+    .bind(job.result.as_ref().map(to_json))
+    .bind(job.error.as_ref().map(|e| e.class.as_str()))
+    .bind(job.error.as_ref().map(|e| e.message.as_str()))
+    .bind(i64::from(job.attempt))
+    .bind(job.progress)
+    .bind(job.cancel_requested)
+    .bind(opt_ms(job.cancel_requested_at))
+    .bind(job.cost_cents)
+    .bind(job.lease_owner.as_deref())
+    .bind(job.lease_token.as_deref())
+    .bind(opt_ms(job.lease_expires_at))
+    .bind(ms(job.run_at))
+    .bind(opt_ms(job.deadline))
+    .bind(ms(job.updated_at))
+    .bind(opt_ms(job.finished_at))
+    .bind(previous_seq + 1)
+    .bind(previous_seq)
+    .execute(&mut *conn)
+    .await?;
+    if done.rows_affected() != 1 {
+        return Err(StoreError::Internal("job changed concurrently".into()));
+    }
+    insert_event(conn, event).await
+}
+
+async fn load(conn: &mut SqliteConnection, tenant: &str, id: Uuid) -> StoreResult<Job> {
+    let row = sqlx::query("SELECT * FROM jobs WHERE id = ?1 AND tenant = ?2")
+        .bind(id.to_string())
+        .bind(tenant)
+        .fetch_optional(&mut *conn)
+        .await?
+        .ok_or(StoreError::NotFound)?;
+    job_from_row(&row)
+}
+
+impl SqliteStore {
+    /// Opens (or creates) the file and migrates it.
+    pub async fn open(settings: &Settings, notifier: Arc<Notifier>) -> StoreResult<SqliteStore> {
+        let options = options(&settings.database_url)?;
+        let writer = SqlitePoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_with(options.clone())
+            .await?;
+        MIGRATOR.run(&writer).await?;
+        let reader = SqlitePoolOptions::new()
+            .max_connections(4)
+            .connect_with(options.read_only(true))
+            .await?;
+        Ok(SqliteStore {
+            writer,
+            reader,
+            notifier,
+        })
+    }
+
+    async fn begin(&self) -> StoreResult<Tx> {
+        Ok(self.writer.begin_with("BEGIN IMMEDIATE").await?)
+    }
+
+    async fn commit(&self, tx: Tx, changes: &Changes) -> StoreResult<()> {
+        tx.commit().await?;
+        changes.wake(&self.notifier);
+        Ok(())
+    }
+
+    /// Runs `apply` on the job and saves what it decided, in one transaction.
+    async fn transition<F>(&self, tenant: &str, id: Uuid, apply: F) -> StoreResult<Job>
+    where
+        F: FnOnce(&mut Job, DateTime<Utc>) -> Result<Option<JobEvent>, TransitionError> + Send,
+    {
+        let mut tx = self.begin().await?;
+        let mut job = load(&mut tx, tenant, id).await?;
+        let mut changes = Changes::default();
+        if let Some(event) = apply(&mut job, Utc::now())? {
+            save(&mut tx, &job, &event).await?;
+            changes.job(&job);
+        }
+        self.commit(tx, &changes).await?;
+        Ok(job)
+    }
+
+    async fn submit_one(
+        &self,
+        conn: &mut SqliteConnection,
+        tenant: &str,
+        new: NewJob,
+        now: i64,
+    ) -> StoreResult<StoreResult<Submitted>> {
+        if let Some(key) = &new.idempotency_key {
+            let existing =
+                sqlx::query("SELECT * FROM jobs WHERE tenant = ?1 AND idempotency_key = ?2")
+                    .bind(tenant)
+                    .bind(key)
+                    .fetch_optional(&mut *conn)
+                    .await?;
+            if let Some(row) = existing {
+                let job = job_from_row(&row)?;
+                if job.input_hash != new.input_hash {
+                    return Ok(Err(StoreError::IdempotencyConflict));
+                }
+                return Ok(Ok(Submitted {
+                    job,
+                    created: false,
+                }));
+            }
+        }
+        let id = Uuid::now_v7();
+        let row = sqlx::query(
+            "INSERT INTO jobs (id, tenant, queue, kind, state, payload, max_attempts, priority,
+                idempotency_key, input_hash, labels, run_at, deadline, backoff_initial_ms,
+                backoff_max_ms, callback_url, created_at, updated_at, event_seq)
+             VALUES (?1, ?2, ?3, ?4, 'queued', ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?16, 1)
+             RETURNING *",
+        )
+        .bind(id.to_string())
+        .bind(tenant)
+        .bind(&new.queue)
+        .bind(&new.kind)
+        .bind(to_json(&new.payload))
+        .bind(i64::from(new.max_attempts))
+        .bind(new.priority)
+        .bind(new.idempotency_key.as_deref())
+        .bind(&new.input_hash)
+        .bind(to_json(&new.labels))
+        .bind(new.run_at.map(ms).unwrap_or(now))
+        .bind(opt_ms(new.deadline))
+        .bind(duration_ms(new.backoff.initial()))
+        .bind(duration_ms(new.backoff.max()))
+        .bind(new.callback_url.as_deref())
+        .bind(now)
+        .fetch_one(&mut *conn)
+        .await?;
+        let job = job_from_row(&row)?;
+        insert_event(
+            conn,
+            &JobEvent {
+                job_id: job.id,
+                sequence: 1,
+                kind: EventType::Submitted,
+                state: JobState::Queued,
+                attempt: 0,
+                worker_id: None,
+                at: job.created_at,
+                detail: None,
+            },
+        )
+        .await?;
+        Ok(Ok(Submitted { job, created: true }))
+    }
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    #[tracing::instrument(name = "store.submit", skip_all, fields(count = jobs.len()))]
+    async fn submit(
+        &self,
+        tenant: &str,
+        jobs: Vec<NewJob>,
+    ) -> StoreResult<Vec<StoreResult<Submitted>>> {
+        let mut tx = self.begin().await?;
+        let now = ms(Utc::now());
+        let mut results = Vec::with_capacity(jobs.len());
+        let mut changes = Changes::default();
+        for new in jobs {
+            let result = self.submit_one(&mut tx, tenant, new, now).await?;
+            if let Ok(submitted) = &result
+                && submitted.created
+            {
+                changes.submitted(&submitted.job);
+            }
+            results.push(result);
+        }
+        self.commit(tx, &changes).await?;
+        Ok(results)
+    }
+
+    #[tracing::instrument(name = "store.get", skip_all, fields(job_id = %id))]
+    async fn get(&self, tenant: &str, id: Uuid) -> StoreResult<Job> {
+        let mut conn = self.reader.acquire().await?;
+        load(&mut conn, tenant, id).await
+    }
+
+    #[tracing::instrument(name = "store.cancel", skip_all, fields(job_id = %id))]
+    async fn cancel(
+        &self,
+        tenant: &str,
+        id: Uuid,
+        reason: Option<&str>,
+        grace: Duration,
+    ) -> StoreResult<Job> {
+        self.transition(tenant, id, |job, now| {
+            transition::cancel(job, now, reason, grace)
+        })
+        .await
+    }
+
+    #[tracing::instrument(name = "store.events_after", skip_all, fields(job_id = %id, after))]
+    async fn events_after(
+        &self,
+        tenant: &str,
+        id: Uuid,
+        after: u64,
+        limit: u32,
+    ) -> StoreResult<Vec<JobEvent>> {
+        let rows = sqlx::query(
+            "SELECT e.* FROM job_events e JOIN jobs j ON j.id = e.job_id
+             WHERE e.job_id = ?1 AND j.tenant = ?2 AND e.sequence > ?3
+             ORDER BY e.sequence LIMIT ?4",
+        )
+        .bind(id.to_string())
+        .bind(tenant)
+        .bind(i64::try_from(after).unwrap_or(i64::MAX))
+        .bind(i64::from(limit))
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter().map(event_from_row).collect()
+    }
+
+    #[tracing::instrument(name = "store.list", skip_all)]
+    async fn list(&self, tenant: &str, filter: &ListFilter) -> StoreResult<Vec<Job>> {
+        let states: Vec<&str> = filter.states.iter().map(|s| s.as_str()).collect();
+        // Label selectors: no selector pair may differ from the job's label.
+        let rows = sqlx::query(
+            "SELECT * FROM jobs
+             WHERE tenant = ?1
+               AND (?2 IS NULL OR id < ?2)
+               AND (?3 IS NULL OR queue = ?3)
+               AND (?4 IS NULL OR kind = ?4)
+               AND (?5 = '[]' OR state IN (SELECT value FROM json_each(?5)))
+               AND (?6 IS NULL OR error_class = ?6)
+               AND NOT EXISTS (
+                   SELECT 1 FROM json_each(?7) sel
+                   WHERE (SELECT l.value FROM json_each(jobs.labels) l WHERE l.key = sel.key) IS NOT sel.value
+               )
+             ORDER BY id DESC
+             LIMIT ?8",
+        )
+        .bind(tenant)
+        .bind(filter.before.map(|id| id.to_string()))
+        .bind(filter.queue.as_deref())
+        .bind(filter.kind.as_deref())
+        .bind(to_json(&states))
+        .bind(filter.error_class.as_deref())
+        .bind(to_json(&filter.labels))
+        .bind(i64::from(filter.page_size))
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter().map(job_from_row).collect()
+    }
+
+    #[tracing::instrument(name = "store.retry_one", skip_all, fields(job_id = %id))]
+    async fn retry_one(&self, tenant: &str, id: Uuid) -> StoreResult<Job> {
+        self.transition(tenant, id, |job, now| {
+            transition::replay(job, now).map(Some)
+        })
+        .await
+    }
+
+    #[tracing::instrument(name = "store.retry_matching", skip_all, fields(dry_run))]
+    async fn retry_matching(
+        &self,
+        tenant: &str,
+        filter: &RetryFilter,
+        dry_run: bool,
+    ) -> StoreResult<Retried> {
+        let states: Vec<&str> = filter.states.iter().map(|s| s.as_str()).collect();
+        let mut tx = self.begin().await?;
+        let matched: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM jobs
+             WHERE tenant = ?1 AND state IN (SELECT value FROM json_each(?2))
+               AND (?3 IS NULL OR queue = ?3)
+               AND (?4 IS NULL OR kind = ?4)
+               AND (?5 IS NULL OR error_class = ?5)",
+        )
+        .bind(tenant)
+        .bind(to_json(&states))
+        .bind(filter.queue.as_deref())
+        .bind(filter.kind.as_deref())
+        .bind(filter.error_class.as_deref())
+        .fetch_one(&mut *tx)
+        .await?;
+        let matched = to_u64(matched, "count")?;
+        if dry_run {
+            return Ok(Retried {
+                retried: Vec::new(),
+                matched,
+            });
+        }
+        let rows = sqlx::query(
+            "SELECT * FROM jobs
+             WHERE tenant = ?1 AND state IN (SELECT value FROM json_each(?2))
+               AND (?3 IS NULL OR queue = ?3)
+               AND (?4 IS NULL OR kind = ?4)
+               AND (?5 IS NULL OR error_class = ?5)
+             ORDER BY id LIMIT ?6",
+        )
+        .bind(tenant)
+        .bind(to_json(&states))
+        .bind(filter.queue.as_deref())
+        .bind(filter.kind.as_deref())
+        .bind(filter.error_class.as_deref())
+        .bind(i64::from(filter.limit))
+        .fetch_all(&mut *tx)
+        .await?;
+        let now = Utc::now();
+        let mut changes = Changes::default();
+        let mut retried = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let mut job = job_from_row(row)?;
+            let event = transition::replay(&mut job, now)?;
+            save(&mut tx, &job, &event).await?;
+            changes.job(&job);
+            retried.push(job.id);
+        }
+        self.commit(tx, &changes).await?;
+        Ok(Retried { retried, matched })
+    }
+
+    #[tracing::instrument(name = "store.stats", skip_all)]
+    async fn stats(
+        &self,
+        tenant: &str,
+        queue: Option<&str>,
+        workers_since: Duration,
+    ) -> StoreResult<Stats> {
+        let now = ms(Utc::now());
+        let counts = sqlx::query(
+            "SELECT queue, state, count(*) AS n FROM jobs
+             WHERE tenant = ?1 AND (?2 IS NULL OR queue = ?2)
+             GROUP BY queue, state",
+        )
+        .bind(tenant)
+        .bind(queue)
+        .fetch_all(&self.reader)
+        .await?;
+        let oldest = sqlx::query(
+            "SELECT queue, ?3 - min(run_at) AS age_ms FROM jobs
+             WHERE tenant = ?1 AND (?2 IS NULL OR queue = ?2) AND state = 'queued' AND run_at <= ?3
+             GROUP BY queue",
+        )
+        .bind(tenant)
+        .bind(queue)
+        .bind(now)
+        .fetch_all(&self.reader)
+        .await?;
+        let workers = sqlx::query(
+            "SELECT w.worker_id, w.queues, w.last_lease_at, r.held, r.last_heartbeat_at
+             FROM workers w
+             LEFT JOIN (
+                SELECT lease_owner, count(*) AS held, max(updated_at) AS last_heartbeat_at
+                FROM jobs WHERE tenant = ?1 AND state = 'running' GROUP BY lease_owner
+             ) r ON r.lease_owner = w.worker_id
+             WHERE w.tenant = ?1 AND (w.last_lease_at > ?2 OR r.held > 0)
+             ORDER BY w.worker_id",
+        )
+        .bind(tenant)
+        .bind(now - duration_ms(workers_since))
+        .fetch_all(&self.reader)
+        .await?;
+
+        let mut by_queue: BTreeMap<String, QueueStats> = BTreeMap::new();
+        for row in &counts {
+            let queue: String = row.try_get("queue")?;
+            let state: String = row.try_get("state")?;
+            let state = JobState::parse(&state).ok_or_else(|| corrupt("state"))?;
+            let n = to_u64(row.try_get("n")?, "count")?;
+            let entry = by_queue.entry(queue.clone()).or_insert_with(|| QueueStats {
+                queue,
+                ..Default::default()
+            });
+            entry.counts.insert(state.as_str(), n);
+        }
+        for row in &oldest {
+            let queue: String = row.try_get("queue")?;
+            let age: i64 = row.try_get("age_ms")?;
+            if let Some(entry) = by_queue.get_mut(&queue) {
+                entry.oldest_runnable_age =
+                    Some(Duration::from_millis(u64::try_from(age).unwrap_or(0)));
+            }
+        }
+        let workers = workers
+            .iter()
+            .map(|row| {
+                Ok(WorkerSeen {
+                    worker_id: row.try_get("worker_id")?,
+                    queues: json(row, "queues")?,
+                    last_lease_at: opt_ts(row, "last_lease_at")?,
+                    last_heartbeat_at: opt_ts(row, "last_heartbeat_at")?,
+                    leases_held: to_u64(
+                        row.try_get::<Option<i64>, _>("held")?.unwrap_or(0),
+                        "held",
+                    )?,
+                })
+            })
+            .collect::<StoreResult<Vec<_>>>()?;
+        Ok(Stats {
+            queues: by_queue.into_values().collect(),
+            workers,
+        })
+    }
+
+    #[tracing::instrument(name = "store.lease", skip_all, fields(worker_id = %spec.worker_id, max_jobs = spec.max_jobs))]
+    async fn lease(&self, tenant: &str, spec: &LeaseSpec) -> StoreResult<Vec<Job>> {
+        let mut tx = self.begin().await?;
+        let now = ms(Utc::now());
+        let rows = sqlx::query(
+            "UPDATE jobs SET state = 'running', attempt = attempt + 1, lease_owner = ?5,
+                lease_token = lower(hex(randomblob(16))),
+                lease_expires_at = min(?6 + ?7, coalesce(deadline, ?6 + ?7)),
+                started_at = coalesce(started_at, ?6),
+                updated_at = max(updated_at, ?6),
+                progress = 0,
+                event_seq = event_seq + 1
+             WHERE id IN (
+                SELECT id FROM jobs
+                WHERE tenant = ?1 AND state = 'queued' AND run_at <= ?6
+                  AND queue IN (SELECT value FROM json_each(?2))
+                  AND (?3 = '[]' OR kind IN (SELECT value FROM json_each(?3)))
+                  AND (deadline IS NULL OR deadline > ?6)
+                ORDER BY priority DESC, run_at, id
+                LIMIT ?4
+             )
+             RETURNING *",
+        )
+        .bind(tenant)
+        .bind(to_json(&spec.queues))
+        .bind(to_json(&spec.kinds))
+        .bind(i64::from(spec.max_jobs))
+        .bind(&spec.worker_id)
+        .bind(now)
+        .bind(duration_ms(spec.lease_duration))
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut jobs = rows
+            .iter()
+            .map(job_from_row)
+            .collect::<StoreResult<Vec<_>>>()?;
+        jobs.sort_by(|a, b| {
+            b.priority
+                .cmp(&a.priority)
+                .then(a.run_at.cmp(&b.run_at))
+                .then(a.id.cmp(&b.id))
+        });
+        let mut changes = Changes::default();
+        for job in &jobs {
+            insert_event(
+                &mut tx,
+                &JobEvent {
+                    job_id: job.id,
+                    sequence: job.event_seq,
+                    kind: EventType::Leased,
+                    state: JobState::Running,
+                    attempt: job.attempt,
+                    worker_id: job.lease_owner.clone(),
+                    at: job.updated_at,
+                    detail: None,
+                },
+            )
+            .await?;
+            changes.job(job);
+        }
+        self.commit(tx, &changes).await?;
+        Ok(jobs)
+    }
+
+    #[tracing::instrument(name = "store.touch_worker", skip_all, fields(worker_id))]
+    async fn touch_worker(
+        &self,
+        tenant: &str,
+        worker_id: &str,
+        queues: &[String],
+    ) -> StoreResult<()> {
+        let mut tx = self.begin().await?;
+        sqlx::query(
+            "INSERT INTO workers (tenant, worker_id, queues, last_lease_at) VALUES (?1, ?2, ?3, ?4)
+             ON CONFLICT (tenant, worker_id) DO UPDATE SET queues = excluded.queues, last_lease_at = excluded.last_lease_at",
+        )
+        .bind(tenant)
+        .bind(worker_id)
+        .bind(to_json(&queues))
+        .bind(ms(Utc::now()))
+        .execute(&mut *tx)
+        .await?;
+        self.commit(tx, &Changes::default()).await
+    }
+
+    #[tracing::instrument(name = "store.heartbeat", skip_all, fields(job_id = %spec.job_id))]
+    async fn heartbeat(&self, tenant: &str, spec: &HeartbeatSpec) -> StoreResult<HeartbeatAck> {
+        let with_event = spec.progress.is_some() || spec.message.is_some();
+        let mut tx = self.begin().await?;
+        let now = ms(Utc::now());
+        // Once a cancel is requested the lease no longer grows.
+        let row = sqlx::query(
+            "UPDATE jobs SET
+                lease_expires_at = CASE WHEN cancel_requested THEN lease_expires_at
+                    ELSE min(?4 + ?5, coalesce(deadline, ?4 + ?5)) END,
+                progress = coalesce(?6, progress),
+                updated_at = max(updated_at, ?4),
+                event_seq = event_seq + ?7
+             WHERE id = ?1 AND tenant = ?2 AND lease_token = ?3 AND state = 'running'
+             RETURNING *",
+        )
+        .bind(spec.job_id.to_string())
+        .bind(tenant)
+        .bind(&spec.lease_token)
+        .bind(now)
+        .bind(duration_ms(spec.extend_by))
+        .bind(spec.progress)
+        .bind(i64::from(with_event))
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(row) = row else {
+            drop(tx);
+            self.get(tenant, spec.job_id).await?;
+            return Err(StoreError::LeaseLost);
+        };
+        let job = job_from_row(&row)?;
+        let mut changes = Changes::default();
+        if with_event {
+            let mut detail = serde_json::Map::new();
+            detail.insert("progress".into(), Value::from(job.progress));
+            if let Some(message) = &spec.message {
+                detail.insert("message".into(), Value::from(message.as_str()));
+            }
+            insert_event(
+                &mut tx,
+                &JobEvent {
+                    job_id: job.id,
+                    sequence: job.event_seq,
+                    kind: EventType::Progress,
+                    state: JobState::Running,
+                    attempt: job.attempt,
+                    worker_id: job.lease_owner.clone(),
+                    at: job.updated_at,
+                    detail: Some(Value::Object(detail)),
+                },
+            )
+            .await?;
+            changes.job(&job);
+        }
+        self.commit(tx, &changes).await?;
+        Ok(HeartbeatAck {
+            lease_expires_at: job
+                .lease_expires_at
+                .ok_or_else(|| corrupt("lease_expires_at"))?,
+            cancel_requested: job.cancel_requested,
+        })
+    }
+
+    #[tracing::instrument(name = "store.complete", skip_all, fields(count = items.len()))]
+    async fn complete(
+        &self,
+        tenant: &str,
+        items: Vec<CompleteSpec>,
+    ) -> StoreResult<Vec<StoreResult<Job>>> {
+        let mut tx = self.begin().await?;
+        let now = Utc::now();
+        let mut changes = Changes::default();
+        let mut results = Vec::with_capacity(items.len());
+        for item in items {
+            let mut job = match load(&mut tx, tenant, item.job_id).await {
+                Ok(job) => job,
+                Err(StoreError::NotFound) => {
+                    results.push(Err(StoreError::NotFound));
+                    continue;
+                }
+                Err(other) => return Err(other),
+            };
+            let jitter = rand::random::<f64>();
+            match transition::complete(
+                &mut job,
+                &item.lease_token,
+                item.outcome,
+                item.cost_cents,
+                now,
+                jitter,
+            ) {
+                Ok(event) => {
+                    save(&mut tx, &job, &event).await?;
+                    changes.job(&job);
+                    results.push(Ok(job));
+                }
+                Err(err) => results.push(Err(err.into())),
+            }
+        }
+        self.commit(tx, &changes).await?;
+        Ok(results)
+    }
+
+    #[tracing::instrument(name = "store.reap", skip_all)]
+    async fn reap(&self, batch: u32) -> StoreResult<Reaped> {
+        let mut tx = self.begin().await?;
+        let now = Utc::now();
+        let expired_leases = sqlx::query(
+            "SELECT * FROM jobs WHERE state = 'running' AND lease_expires_at <= ?1
+             ORDER BY lease_expires_at LIMIT ?2",
+        )
+        .bind(ms(now))
+        .bind(i64::from(batch))
+        .fetch_all(&mut *tx)
+        .await?;
+        let past_deadline = sqlx::query(
+            "SELECT * FROM jobs WHERE state = 'queued' AND deadline <= ?1
+             ORDER BY deadline LIMIT ?2",
+        )
+        .bind(ms(now))
+        .bind(i64::from(batch))
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut changes = Changes::default();
+        for (rows, decide) in [
+            (
+                &expired_leases,
+                transition::lease_expired as fn(&mut Job, DateTime<Utc>) -> JobEvent,
+            ),
+            (&past_deadline, transition::deadline_passed),
+        ] {
+            for row in rows {
+                let mut job = job_from_row(row)?;
+                let event = decide(&mut job, now);
+                save(&mut tx, &job, &event).await?;
+                changes.job(&job);
+            }
+        }
+        self.commit(tx, &changes).await?;
+        Ok(Reaped {
+            expired_leases: expired_leases.len() as u64,
+            expired_deadlines: past_deadline.len() as u64,
+        })
+    }
+}
