@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The whole test suite: unit tests, and the behavioural suite against both
+# backends (a SQLite file and a real PostgreSQL) through real gRPC.
+#
+# PostgreSQL: INTRAY_TEST_PG_URL (default postgres://postgres@127.0.0.1:5432/postgres)
+# must reach a server where that user may create databases. If nothing answers
+# on 127.0.0.1:5432 this script tries to start the local Debian cluster; if
+# that fails it stops and says what is missing. It never skips the PostgreSQL
+# half. Each test creates its own database (intray_test_*) and drops it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+export INTRAY_TEST_PG_URL="${INTRAY_TEST_PG_URL:-postgres://postgres@127.0.0.1:5432/postgres}"
+
+pg_ready() {
+  if command -v pg_isready >/dev/null 2>&1; then
+    pg_isready -q -d "$INTRAY_TEST_PG_URL"
+  else
+    # No client tools: a TCP connect is the best we can check from bash.
+    (exec 3<>/dev/tcp/127.0.0.1/5432) 2>/dev/null
+  fi
+}
+
+if ! pg_ready; then
+  if command -v pg_ctlcluster >/dev/null 2>&1 && [ -d /etc/postgresql ]; then
+    version=$(ls /etc/postgresql | sort -V | tail -n 1)
+    echo "test.sh: PostgreSQL not answering; starting cluster $version/main" >&2
+    pg_ctlcluster --skip-systemctl-redirect "$version" main start || true
+    for _ in $(seq 1 30); do pg_ready && break; sleep 1; done
+  fi
+fi
+if ! pg_ready; then
+  cat >&2 <<MSG
+test.sh: cannot reach PostgreSQL at $INTRAY_TEST_PG_URL.
+The test suite runs every behavioural test on PostgreSQL as well as SQLite and
+will not skip that half. Install and start PostgreSQL (Debian: apt-get install
+postgresql; pg_ctlcluster <version> main start) or point INTRAY_TEST_PG_URL at
+a server where the user may CREATE DATABASE.
+MSG
+  exit 1
+fi
+
+# Databases left behind by an interrupted earlier run.
+if command -v psql >/dev/null 2>&1; then
+  psql "$INTRAY_TEST_PG_URL" -Atqc \
+    "SELECT datname FROM pg_database WHERE datname LIKE 'intray\_test\_%'" 2>/dev/null |
+    while read -r db; do
+      [ -n "$db" ] && psql "$INTRAY_TEST_PG_URL" -qc "DROP DATABASE IF EXISTS \"$db\" WITH (FORCE)" >/dev/null 2>&1 || true
+    done
+fi
+
+cargo test --all-targets "$@"
