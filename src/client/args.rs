@@ -114,6 +114,10 @@ pub struct SubmitArgs {
     pub payload_file: Option<PathBuf>,
 
     /// Key that makes the submit safe to repeat: the same key and input return the original job.
+    ///
+    /// `--delay` and `--timeout` become absolute times when the command
+    /// runs, so a repeat with them is different input (ALREADY_EXISTS); use
+    /// `--run-at` and `--deadline` for submits that must be repeatable.
     #[arg(long, value_name = "KEY")]
     pub idempotency_key: Option<String>,
 

@@ -388,27 +388,32 @@ async fn list(
     Ok(())
 }
 
-/// Streams the events of a job until the server ends the stream.
+/// Streams the events of a job until the job has ended.
 ///
-/// When the server becomes unavailable mid-stream (a restart, a lost
-/// connection), reconnects after the last event printed: the server's
+/// The server ends the stream after the terminal event. When the stream
+/// breaks off before that (a restart, a lost connection, a server shutting
+/// down), this reconnects after the last event printed: the server's
 /// `after_sequence` contract means nothing is missed or printed twice.
 async fn watch(session: &mut Session, args: WatchArgs, json: bool) -> Result<(), ClientError> {
     let mut after = args.after;
     let mut failures = 0u32;
+    let mut finished = false;
     loop {
         let request = session.request(WatchJobRequest {
             id: args.id.clone(),
             after_sequence: after,
         });
-        let outcome = match session.client.watch_job(request).await {
+        let mut got_events = false;
+        let ended_with = match session.client.watch_job(request).await {
             Ok(response) => {
                 let mut stream = response.into_inner();
                 loop {
                     match stream.message().await {
                         Ok(Some(event)) => {
+                            got_events = true;
                             failures = 0;
                             after = after.max(event.sequence);
+                            finished = is_terminal(event.state);
                             if json {
                                 let line = serde_json::to_string(&print::json_value(&event, &[])?)?;
                                 print_text(|out| writeln!(out, "{line}"))?;
@@ -416,27 +421,60 @@ async fn watch(session: &mut Session, args: WatchArgs, json: bool) -> Result<(),
                                 print_text(|out| print::write_event(out, &event))?;
                             }
                         }
-                        Ok(None) => return Ok(()),
-                        Err(status) => break status,
+                        Ok(None) => break None,
+                        Err(status) => break Some(status),
                     }
                 }
             }
-            Err(status) => status,
+            Err(status) => Some(status),
         };
-        if outcome.code() != Code::Unavailable || failures >= WATCH_MAX_RECONNECTS {
-            return Err(outcome.into());
+        let interruption = match ended_with {
+            Some(status) if status.code() == Code::Unavailable => status,
+            Some(status) => return Err(status.into()),
+            None if finished => return Ok(()),
+            // Ended early after some events, e.g. a server shutting down:
+            // pick up where it stopped.
+            None if got_events => continue,
+            None => {
+                // An empty stream is also what a job that ended at or before
+                // `after` gives, so ask the job itself.
+                let request = session.request(GetJobRequest {
+                    id: args.id.clone(),
+                });
+                match session.client.get(request).await {
+                    Ok(job) if is_terminal(job.get_ref().state) => return Ok(()),
+                    Ok(_) => {
+                        // The server is up but ended the stream: not a
+                        // connection failure, so wait briefly and go on.
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                        continue;
+                    }
+                    Err(status) if status.code() == Code::Unavailable => status,
+                    Err(status) => return Err(status.into()),
+                }
+            }
+        };
+        if failures >= WATCH_MAX_RECONNECTS {
+            return Err(interruption.into());
         }
         failures += 1;
         let delay = Duration::from_secs(1 << failures.min(4));
         let _ = writeln!(
             io::stderr(),
             "watch: {}: {}; reconnecting in {} after event #{after}",
-            code_name(outcome.code()),
-            outcome.message(),
+            code_name(interruption.code()),
+            interruption.message(),
             print::format_duration(delay)
         );
         tokio::time::sleep(delay).await;
     }
+}
+
+fn is_terminal(state: i32) -> bool {
+    matches!(
+        JobState::try_from(state),
+        Ok(JobState::Succeeded | JobState::Failed | JobState::Cancelled | JobState::Expired)
+    )
 }
 
 /// Writes pretty proto3 JSON of `message` to stdout.

@@ -97,7 +97,11 @@ fn describe_status(status: &tonic::Status) -> String {
     let details = status.get_error_details();
     if let Some(bad_request) = details.bad_request() {
         for violation in &bad_request.field_violations {
-            let _ = write!(text, "\n  {}: {}", violation.field, violation.description);
+            let line = format!("{}: {}", violation.field, violation.description);
+            // Servers often put the first violation in the message too.
+            if line != status.message() {
+                let _ = write!(text, "\n  {line}");
+            }
         }
     }
     if let Some(delay) = details.retry_info().and_then(|info| info.retry_delay) {
@@ -154,6 +158,17 @@ mod tests {
             "INVALID_ARGUMENT: invalid job\n  queue: must not be empty\n  max_attempts: must be 1..=100"
         );
         assert_eq!(error.exit_code(), 2);
+
+        let details = ErrorDetails::with_bad_request_violation("queue", "must not be empty");
+        let status = tonic::Status::with_error_details(
+            Code::InvalidArgument,
+            "queue: must not be empty",
+            details,
+        );
+        assert_eq!(
+            ClientError::from(status).to_string(),
+            "INVALID_ARGUMENT: queue: must not be empty"
+        );
     }
 
     #[test]

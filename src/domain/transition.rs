@@ -115,25 +115,25 @@ pub fn complete(
                 "not retryable"
             } else if job.attempt >= job.max_attempts {
                 "attempts exhausted"
+            } else if job.deadline.is_some_and(|deadline| deadline <= now) {
+                "deadline passed"
             } else {
+                // A retry due after the deadline is still scheduled (SPEC: only
+                // a deadline already passed stops it); the reaper expires it.
                 let delay = retry_after.unwrap_or_else(|| job.backoff.delay(job.attempt, jitter));
-                let run_at = now + chrono_delay(delay);
-                if job.deadline.is_none_or(|deadline| run_at < deadline) {
-                    job.state = JobState::Queued;
-                    job.run_at = run_at;
-                    let detail = json!({
-                        "error": detail_error,
-                        "delay_ms": u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
-                    });
-                    return Ok(record(
-                        job,
-                        now,
-                        EventType::RetryScheduled,
-                        worker,
-                        Some(detail),
-                    ));
-                }
-                "deadline would pass before the next attempt"
+                job.state = JobState::Queued;
+                job.run_at = now + chrono_delay(delay);
+                let detail = json!({
+                    "error": detail_error,
+                    "delay_ms": u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+                });
+                return Ok(record(
+                    job,
+                    now,
+                    EventType::RetryScheduled,
+                    worker,
+                    Some(detail),
+                ));
             };
             finish(job, JobState::Failed, now);
             let detail = json!({"error": detail_error, "reason": reason});
@@ -389,10 +389,26 @@ mod tests {
         complete(&mut final_error, "tok", failure(false, None), 0, t(0), 0.1).expect("ok");
         assert_eq!(final_error.state, JobState::Failed);
 
-        let mut near_deadline = running(1, 3);
-        near_deadline.deadline = Some(t(10));
+        let mut past_deadline = running(1, 3);
+        past_deadline.deadline = Some(t(10));
         complete(
-            &mut near_deadline,
+            &mut past_deadline,
+            "tok",
+            failure(true, None),
+            0,
+            t(10),
+            0.1,
+        )
+        .expect("ok");
+        assert_eq!(past_deadline.state, JobState::Failed);
+    }
+
+    #[test]
+    fn a_retry_due_after_the_deadline_is_still_scheduled() {
+        let mut job = running(1, 3);
+        job.deadline = Some(t(10));
+        complete(
+            &mut job,
             "tok",
             failure(true, Some(Duration::from_secs(20))),
             0,
@@ -400,7 +416,7 @@ mod tests {
             0.1,
         )
         .expect("ok");
-        assert_eq!(near_deadline.state, JobState::Failed);
+        assert_eq!((job.state, job.run_at), (JobState::Queued, t(20)));
     }
 
     #[test]

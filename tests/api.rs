@@ -1,0 +1,2253 @@
+//! Behavioural suite of the gRPC API (SPEC sections 2-4), run against the real
+//! server on both SQLite and PostgreSQL, each test on its own fresh database.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use chrono::Utc;
+use common::*;
+use futures::StreamExt;
+use intray::pb::{self, JobEventType as Ev, JobState as St};
+use serde_json::json;
+use tokio::sync::Mutex;
+use tonic::Code;
+
+common::backend_tests!(
+    lifecycle,
+    retry_after_backoff,
+    backoff_full_jitter,
+    retries_exhausted_then_replay,
+    bulk_retry_by_filter,
+    idempotency,
+    cancel_queued_and_running,
+    cancel_grace_revokes_lease,
+    watch_resume_from_sequence,
+    watch_live_push,
+    concurrent_drain,
+    long_poll_wake,
+    validation,
+    stale_lease_token,
+    lease_expiry_reclaims,
+    not_found_and_tenant_isolation,
+    reflection_and_health,
+    list_filters_and_pagination,
+    stats_counts,
+    submit_batch_partial,
+    complete_batch_stale_item,
+    deadline_expires_queued,
+    deadline_before_run_at,
+    deadline_between_attempts,
+    retry_beyond_deadline_expires,
+    lease_order_and_kind_filter,
+);
+
+const LONG: Duration = Duration::from_secs(10);
+
+// ---------------------------------------------------------------------------
+// 1. lifecycle
+// ---------------------------------------------------------------------------
+
+async fn lifecycle(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client("acme");
+    let mut workers = server.workers_client("acme");
+
+    let payload = json!({"prompt": "hello", "n": 3, "nested": {"list": [1, "two", null, true]}});
+    let mut r = submit_req("emails", "llm/summarize", payload.clone());
+    r.priority = 5;
+    r.labels.insert("team".into(), "core".into());
+    let resp = jobs.submit(r).await.expect("Submit").into_inner();
+    assert!(resp.created, "a new job is created");
+    let job = resp.job.expect("job");
+    assert_eq!(state(&job), St::Queued);
+    assert_eq!(job.attempt, 0, "no attempt before the first lease");
+    assert_eq!(job.max_attempts, 3, "default max_attempts");
+    assert_eq!(job.tenant, "acme");
+    assert_eq!(job.queue, "emails");
+    assert_eq!(job.kind, "llm/summarize");
+    assert_eq!(job.priority, 5);
+    assert_eq!(job.labels.get("team").map(String::as_str), Some("core"));
+    assert_eq!(
+        job.payload,
+        Some(json_to_value(payload.clone())),
+        "payload round-trips"
+    );
+    let uuid = uuid::Uuid::parse_str(&job.id).expect("job id is a UUID");
+    assert_eq!(uuid.get_version_num(), 7, "job id is a UUIDv7");
+    assert!(job.created_at.is_some() && job.run_at.is_some());
+
+    let before_lease = Utc::now();
+    let leased = workers
+        .lease(pb::LeaseRequest {
+            worker_id: "w-1".into(),
+            queues: vec!["emails".into()],
+            max_jobs: Some(1),
+            lease_duration: Some(secs(30)),
+            wait: Some(secs(5)),
+            ..Default::default()
+        })
+        .await
+        .expect("Lease")
+        .into_inner()
+        .jobs;
+    assert_eq!(leased.len(), 1, "the queued job is leased");
+    let leased = &leased[0];
+    assert_eq!(leased.job_id, job.id);
+    assert_eq!(leased.attempt, 1);
+    assert_eq!(leased.max_attempts, 3);
+    assert!(!leased.lease_token.is_empty(), "lease token is set");
+    assert_eq!(leased.queue, "emails");
+    assert_eq!(leased.kind, "llm/summarize");
+    assert_eq!(leased.payload, Some(json_to_value(payload)));
+    let expires = time(&leased.lease_expires_at, "lease_expires_at");
+    assert!(
+        expires >= before_lease + chrono::Duration::seconds(25)
+            && expires <= Utc::now() + chrono::Duration::seconds(35),
+        "lease expires about 30 s from now, got {expires}"
+    );
+
+    let running = get(&mut jobs, &job.id).await;
+    assert_eq!(state(&running), St::Running);
+    assert_eq!(running.attempt, 1);
+    assert_eq!(running.lease_owner, "w-1");
+    assert!(
+        running.started_at.is_some(),
+        "started_at set at the first lease"
+    );
+
+    let hb = workers
+        .heartbeat(pb::HeartbeatRequest {
+            job_id: job.id.clone(),
+            lease_token: leased.lease_token.clone(),
+            extend_by: Some(secs(120)),
+            progress: Some(0.5),
+            message: "halfway".into(),
+        })
+        .await
+        .expect("Heartbeat")
+        .into_inner();
+    assert!(!hb.cancel_requested);
+    let extended = time(&hb.lease_expires_at, "heartbeat lease_expires_at");
+    assert!(
+        extended > expires + chrono::Duration::seconds(60),
+        "heartbeat extends the lease: {expires} -> {extended}"
+    );
+
+    let result = json!({"summary": "hi", "tokens": 42});
+    let done = workers
+        .complete(pb::CompleteRequest {
+            cost_cents: 7,
+            ..success_req(leased, result.clone())
+        })
+        .await
+        .expect("Complete")
+        .into_inner()
+        .job
+        .expect("job");
+    assert_eq!(state(&done), St::Succeeded);
+
+    let job = get(&mut jobs, &job.id).await;
+    assert_eq!(state(&job), St::Succeeded);
+    assert_eq!(job.result, Some(json_to_value(result)));
+    assert!(
+        (job.progress - 0.5).abs() < 1e-9,
+        "progress kept: {}",
+        job.progress
+    );
+    assert_eq!(job.cost_cents, 7);
+    assert!(job.error.is_none(), "no error on success: {:?}", job.error);
+    let finished = time(&job.finished_at, "finished_at");
+    assert!(finished >= time(&job.started_at, "started_at"));
+
+    let events = watch_all(&mut jobs, &job.id, 0, LONG).await;
+    assert_eq!(
+        event_types(&events),
+        vec![Ev::Submitted, Ev::Leased, Ev::Progress, Ev::Succeeded]
+    );
+    assert_eq!(sequences(&events), vec![1, 2, 3, 4]);
+    let states: Vec<St> = events
+        .iter()
+        .map(|e| St::try_from(e.state).unwrap_or(St::Unspecified))
+        .collect();
+    assert_eq!(
+        states,
+        vec![St::Queued, St::Running, St::Running, St::Succeeded]
+    );
+    assert!(events.iter().all(|e| e.job_id == job.id));
+    assert_eq!(events[1].worker_id, "w-1");
+    assert_eq!(events[1].attempt, 1);
+    let ats: Vec<_> = events.iter().map(|e| time(&e.at, "event at")).collect();
+    assert!(
+        ats.windows(2).all(|w| w[0] <= w[1]),
+        "event times grow: {ats:?}"
+    );
+
+    server.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// 2. failure -> retry after backoff -> success
+// ---------------------------------------------------------------------------
+
+async fn retry_after_backoff(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+
+    let mut r = submit_req("llm", "chat", json!({"q": 1}));
+    r.max_attempts = Some(3);
+    let job = submit_with(&mut jobs, r).await;
+    let first = lease_one(&mut workers, "w", "llm").await;
+    assert_eq!(first.attempt, 1);
+
+    let t0 = Instant::now();
+    let wall0 = Utc::now();
+    let failed = workers
+        .complete(pb::CompleteRequest {
+            cost_cents: 3,
+            ..failure_req(
+                &first,
+                "rate_limited",
+                None,
+                Some(Duration::from_millis(300)),
+            )
+        })
+        .await
+        .expect("Complete(failure)")
+        .into_inner()
+        .job
+        .expect("job");
+    let wall1 = Utc::now();
+    assert_eq!(
+        state(&failed),
+        St::Queued,
+        "retryable failure with attempts left requeues"
+    );
+    let err = failed.error.clone().expect("error is recorded");
+    assert_eq!(err.class, "rate_limited");
+    let run_at = time(&failed.run_at, "run_at");
+    assert!(
+        run_at >= wall0 + chrono::Duration::milliseconds(280)
+            && run_at <= wall1 + chrono::Duration::milliseconds(350),
+        "run_at = now + retry_after (300 ms): wall0 {wall0}, run_at {run_at}, wall1 {wall1}"
+    );
+
+    let now = lease_now(&mut workers, "w", "llm").await;
+    assert!(now.is_empty(), "not leasable before run_at: {now:?}");
+
+    let second = lease_one(&mut workers, "w", "llm").await;
+    let waited = t0.elapsed();
+    assert!(
+        waited >= Duration::from_millis(250),
+        "leased again only after the retry delay, got it after {waited:?}"
+    );
+    assert!(
+        waited < Duration::from_secs(4),
+        "leased soon after run_at: {waited:?}"
+    );
+    assert_eq!(second.job_id, job.id);
+    assert_eq!(second.attempt, 2);
+    assert_ne!(
+        second.lease_token, first.lease_token,
+        "fresh token per attempt"
+    );
+
+    let done = workers
+        .complete(pb::CompleteRequest {
+            cost_cents: 4,
+            ..success_req(&second, json!("ok"))
+        })
+        .await
+        .expect("Complete")
+        .into_inner()
+        .job
+        .expect("job");
+    assert_eq!(state(&done), St::Succeeded);
+    assert_eq!(done.attempt, 2);
+    assert_eq!(done.cost_cents, 7, "cost_cents accumulates over attempts");
+
+    let events = watch_all(&mut jobs, &job.id, 0, LONG).await;
+    assert_eq!(
+        event_types(&events),
+        vec![
+            Ev::Submitted,
+            Ev::Leased,
+            Ev::RetryScheduled,
+            Ev::Leased,
+            Ev::Succeeded
+        ]
+    );
+    assert_eq!(sequences(&events), vec![1, 2, 3, 4, 5]);
+    assert_eq!(
+        events[2].state,
+        St::Queued as i32,
+        "RETRY_SCHEDULED leaves the job QUEUED"
+    );
+    server.stop().await;
+}
+
+async fn backoff_full_jitter(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+
+    let mut r = submit_req("jit", "chat", json!({}));
+    r.max_attempts = Some(3);
+    r.backoff = Some(pb::Backoff {
+        initial: Some(ms(100)),
+        max: Some(ms(200)),
+    });
+    let job = submit_with(&mut jobs, r).await;
+    let tol = chrono::Duration::milliseconds(50);
+
+    for attempt in 1..=3u32 {
+        let leased = within(
+            LONG,
+            "lease after backoff",
+            lease_one(&mut workers, "w", "jit"),
+        )
+        .await;
+        assert_eq!(leased.job_id, job.id);
+        assert_eq!(leased.attempt, attempt);
+        let after = workers
+            .complete(failure_req(&leased, "upstream_5xx", Some(true), None))
+            .await
+            .expect("Complete(failure)")
+            .into_inner()
+            .job
+            .expect("job");
+        if attempt < 3 {
+            assert_eq!(state(&after), St::Queued, "attempt {attempt} requeues");
+            let run_at = time(&after.run_at, "run_at");
+            let updated = time(&after.updated_at, "updated_at");
+            assert!(
+                run_at >= updated - tol
+                    && run_at <= updated + chrono::Duration::milliseconds(200) + tol,
+                "attempt {attempt}: run_at {run_at} must be within [updated_at, updated_at + 200 ms] (updated_at {updated})"
+            );
+        } else {
+            assert_eq!(state(&after), St::Failed, "attempts exhausted");
+            assert_eq!(after.error.expect("error").class, "upstream_5xx");
+        }
+    }
+    server.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// 3. retries exhausted -> FAILED -> Retry
+// ---------------------------------------------------------------------------
+
+async fn retries_exhausted_then_replay(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+
+    let mut r = submit_req("dq", "chat", json!({"x": 1}));
+    r.max_attempts = Some(2);
+    let job = submit_with(&mut jobs, r).await;
+
+    let a1 = lease_one(&mut workers, "w", "dq").await;
+    let after1 = workers
+        .complete(failure_req(
+            &a1,
+            "upstream_error",
+            None,
+            Some(Duration::from_millis(10)),
+        ))
+        .await
+        .expect("Complete 1")
+        .into_inner()
+        .job
+        .expect("job");
+    assert_eq!(state(&after1), St::Queued);
+    let a2 = lease_one(&mut workers, "w", "dq").await;
+    assert_eq!(a2.attempt, 2);
+    let after2 = workers
+        .complete(failure_req(
+            &a2,
+            "upstream_error",
+            None,
+            Some(Duration::from_millis(10)),
+        ))
+        .await
+        .expect("Complete 2")
+        .into_inner()
+        .job
+        .expect("job");
+    assert_eq!(state(&after2), St::Failed, "no attempts left");
+    assert_eq!(after2.error.clone().expect("error").class, "upstream_error");
+    assert!(after2.finished_at.is_some());
+    assert!(
+        lease_now(&mut workers, "w", "dq").await.is_empty(),
+        "a FAILED job is not leased"
+    );
+
+    let dead = list_all(
+        &mut jobs,
+        pb::ListJobsRequest {
+            states: vec![St::Failed as i32],
+            ..list_req()
+        },
+    )
+    .await;
+    assert!(ids(&dead).contains(&job.id), "the dead set lists the job");
+
+    let retried = jobs
+        .retry(pb::RetryJobRequest {
+            target: Some(pb::retry_job_request::Target::Id(job.id.clone())),
+            ..Default::default()
+        })
+        .await
+        .expect("Retry")
+        .into_inner();
+    assert_eq!(retried.retried, vec![job.id.clone()]);
+    let replayed = get(&mut jobs, &job.id).await;
+    assert_eq!(state(&replayed), St::Queued);
+    assert_eq!(replayed.attempt, 0, "fresh attempt budget");
+    let events = watch_all_until_now(&mut jobs, &job.id).await;
+    assert_eq!(event_types(&events).last(), Some(&Ev::Replayed));
+    assert_eq!(events.last().map(|e| e.state), Some(St::Queued as i32));
+
+    let a3 = lease_one(&mut workers, "w", "dq").await;
+    assert_eq!(a3.job_id, job.id);
+    assert_eq!(a3.attempt, 1, "attempts count again from 1 after a replay");
+    assert_ne!(a3.lease_token, a2.lease_token);
+    let done = complete_ok(&mut workers, &a3).await;
+    assert_eq!(state(&done), St::Succeeded);
+
+    let again = jobs
+        .retry(pb::RetryJobRequest {
+            target: Some(pb::retry_job_request::Target::Id(job.id.clone())),
+            ..Default::default()
+        })
+        .await;
+    expect_code(again, Code::FailedPrecondition, "Retry of a SUCCEEDED job");
+    assert_eq!(state(&get(&mut jobs, &job.id).await), St::Succeeded);
+
+    // Non-retryable failure on attempt 1 of 3 is final at once.
+    let mut r = submit_req("nr", "chat", json!({}));
+    r.max_attempts = Some(3);
+    let nr = submit_with(&mut jobs, r).await;
+    let l = lease_one(&mut workers, "w", "nr").await;
+    let f = workers
+        .complete(failure_req(&l, "bad_input", Some(false), None))
+        .await
+        .expect("Complete")
+        .into_inner()
+        .job
+        .expect("job");
+    assert_eq!(state(&f), St::Failed, "retryable=false fails at once");
+    assert_eq!(f.attempt, 1);
+    assert_eq!(f.error.expect("error").class, "bad_input");
+    let events = watch_all(&mut jobs, &nr.id, 0, LONG).await;
+    assert_eq!(
+        event_types(&events),
+        vec![Ev::Submitted, Ev::Leased, Ev::Failed]
+    );
+    server.stop().await;
+}
+
+/// Events recorded so far for a job that is not terminal: reads the watch
+/// until it has been quiet for a moment.
+async fn watch_all_until_now(jobs: &mut JobsClient, id: &str) -> Vec<pb::JobEvent> {
+    let mut stream = jobs
+        .watch_job(pb::WatchJobRequest {
+            id: id.into(),
+            after_sequence: 0,
+        })
+        .await
+        .expect("WatchJob")
+        .into_inner();
+    let mut out = Vec::new();
+    while let Ok(Some(item)) = tokio::time::timeout(Duration::from_millis(700), stream.next()).await
+    {
+        out.push(item.expect("WatchJob item"));
+    }
+    out
+}
+
+async fn bulk_retry_by_filter(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+
+    let mut quota = HashSet::new();
+    for _ in 0..3 {
+        quota.insert(
+            make_failed(&mut jobs, &mut workers, "bulk", "quota")
+                .await
+                .id,
+        );
+    }
+    let other_class = make_failed(&mut jobs, &mut workers, "bulk", "other").await;
+    let other_queue = make_failed(&mut jobs, &mut workers, "elsewhere", "quota").await;
+    let filter = pb::RetryFilter {
+        queue: "bulk".into(),
+        error_class: "quota".into(),
+        ..Default::default()
+    };
+
+    let dry = jobs
+        .retry(pb::RetryJobRequest {
+            target: Some(pb::retry_job_request::Target::Filter(filter.clone())),
+            dry_run: true,
+            limit: None,
+        })
+        .await
+        .expect("Retry dry_run")
+        .into_inner();
+    assert_eq!(dry.matched, 3, "dry run counts the matching dead jobs");
+    for id in &quota {
+        assert_eq!(
+            state(&get(&mut jobs, id).await),
+            St::Failed,
+            "dry run changes nothing"
+        );
+    }
+
+    let real = jobs
+        .retry(pb::RetryJobRequest {
+            target: Some(pb::retry_job_request::Target::Filter(filter)),
+            dry_run: false,
+            limit: None,
+        })
+        .await
+        .expect("Retry")
+        .into_inner();
+    assert_eq!(real.matched, 3);
+    let got: HashSet<String> = real.retried.iter().cloned().collect();
+    assert_eq!(got, quota, "exactly the matching jobs are retried");
+    for id in &quota {
+        let j = get(&mut jobs, id).await;
+        assert_eq!(state(&j), St::Queued);
+        assert_eq!(j.attempt, 0);
+    }
+    assert_eq!(state(&get(&mut jobs, &other_class.id).await), St::Failed);
+    assert_eq!(state(&get(&mut jobs, &other_queue.id).await), St::Failed);
+
+    // The replayed jobs go through the normal claim path.
+    let leased = workers
+        .lease(lease_req("w", "bulk", 10, Duration::from_secs(2)))
+        .await
+        .expect("Lease")
+        .into_inner()
+        .jobs;
+    let leased_ids: HashSet<String> = leased.iter().map(|l| l.job_id.clone()).collect();
+    assert_eq!(leased_ids, quota);
+    server.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// 4. idempotency
+// ---------------------------------------------------------------------------
+
+async fn idempotency(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut anon = server.jobs_client_no_tenant();
+    let mut default = server.jobs_client("default");
+    let mut other = server.jobs_client("t2");
+
+    let mut r = submit_req("q", "k", json!({"a": 1, "b": [1, 2]}));
+    r.idempotency_key = "order-42".into();
+    let first = anon.submit(r.clone()).await.expect("Submit").into_inner();
+    assert!(first.created);
+    let first = first.job.expect("job");
+    assert_eq!(
+        first.tenant, "default",
+        "no tenant metadata means tenant \"default\""
+    );
+    assert_eq!(first.idempotency_key, "order-42");
+    assert_eq!(
+        first.input_hash.len(),
+        64,
+        "input_hash is hex sha256: {}",
+        first.input_hash
+    );
+    assert!(first.input_hash.chars().all(|c| c.is_ascii_hexdigit()));
+
+    let again = default
+        .submit(r.clone())
+        .await
+        .expect("Submit again")
+        .into_inner();
+    assert!(!again.created, "same key, same input: not created");
+    let again_job = again.job.expect("job");
+    assert_eq!(
+        again_job.id, first.id,
+        "same key, same input: the original job"
+    );
+    assert_eq!(again_job.input_hash, first.input_hash);
+
+    let mut changed = r.clone();
+    changed.payload = Some(json_to_value(json!({"a": 2, "b": [1, 2]})));
+    expect_code(
+        default.submit(changed).await,
+        Code::AlreadyExists,
+        "same key, different payload",
+    );
+    let mut changed_opt = r.clone();
+    changed_opt.priority = 9;
+    expect_code(
+        default.submit(changed_opt).await,
+        Code::AlreadyExists,
+        "same key, different options",
+    );
+    let mut changed_kind = r.clone();
+    changed_kind.kind = "k2".into();
+    expect_code(
+        default.submit(changed_kind).await,
+        Code::AlreadyExists,
+        "same key, different kind",
+    );
+
+    let t2 = other.submit(r).await.expect("Submit in t2").into_inner();
+    assert!(t2.created, "keys are scoped to the tenant");
+    let t2 = t2.job.expect("job");
+    assert_ne!(t2.id, first.id);
+    assert_eq!(t2.tenant, "t2");
+
+    assert_eq!(
+        list_all(&mut default, list_req()).await.len(),
+        1,
+        "one job in default"
+    );
+    assert_eq!(
+        list_all(&mut other, list_req()).await.len(),
+        1,
+        "one job in t2"
+    );
+    server.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// 5. cancel
+// ---------------------------------------------------------------------------
+
+async fn cancel_queued_and_running(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+
+    // Queued -> CANCELLED at once, idempotently.
+    let q = submit(&mut jobs, "cq", "k", json!({})).await;
+    let c = jobs
+        .cancel(pb::CancelJobRequest {
+            id: q.id.clone(),
+            reason: "changed my mind".into(),
+        })
+        .await
+        .expect("Cancel")
+        .into_inner();
+    assert_eq!(state(&c), St::Cancelled);
+    assert_eq!(state(&get(&mut jobs, &q.id).await), St::Cancelled);
+    let c2 = jobs
+        .cancel(pb::CancelJobRequest {
+            id: q.id.clone(),
+            reason: String::new(),
+        })
+        .await
+        .expect("second Cancel is OK");
+    assert_eq!(state(&c2.into_inner()), St::Cancelled);
+    assert!(
+        lease_now(&mut workers, "w", "cq").await.is_empty(),
+        "cancelled job is not leased"
+    );
+    let ev = watch_all(&mut jobs, &q.id, 0, LONG).await;
+    assert_eq!(event_types(&ev), vec![Ev::Submitted, Ev::Cancelled]);
+
+    // Running -> cancel_requested -> worker learns it -> CANCELLED, result discarded.
+    let r = submit(&mut jobs, "cr", "k", json!({})).await;
+    let leased = lease_one(&mut workers, "w", "cr").await;
+    let c = jobs
+        .cancel(pb::CancelJobRequest {
+            id: r.id.clone(),
+            reason: "stop".into(),
+        })
+        .await
+        .expect("Cancel running")
+        .into_inner();
+    assert!(
+        c.cancel_requested,
+        "cancel of a running job sets cancel_requested"
+    );
+    assert_eq!(
+        state(&c),
+        St::Running,
+        "still running until the worker reports"
+    );
+    let j = get(&mut jobs, &r.id).await;
+    assert!(j.cancel_requested);
+    let hb = workers
+        .heartbeat(pb::HeartbeatRequest {
+            job_id: r.id.clone(),
+            lease_token: leased.lease_token.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect("Heartbeat")
+        .into_inner();
+    assert!(
+        hb.cancel_requested,
+        "the worker learns of the cancel from its heartbeat"
+    );
+    let done = workers
+        .complete(success_req(&leased, json!({"should": "be discarded"})))
+        .await
+        .expect("Complete after cancel")
+        .into_inner()
+        .job
+        .expect("job");
+    assert_eq!(state(&done), St::Cancelled);
+    let j = get(&mut jobs, &r.id).await;
+    assert_eq!(state(&j), St::Cancelled);
+    assert!(
+        j.result.is_none(),
+        "the result of a cancelled job is discarded: {:?}",
+        j.result
+    );
+    let ev = event_types(&watch_all(&mut jobs, &r.id, 0, LONG).await);
+    assert!(ev.contains(&Ev::CancelRequested), "events: {ev:?}");
+    assert_eq!(ev.last(), Some(&Ev::Cancelled), "events: {ev:?}");
+    assert!(!ev.contains(&Ev::Succeeded), "events: {ev:?}");
+    assert!(
+        lease_now(&mut workers, "w", "cr").await.is_empty(),
+        "never retried"
+    );
+
+    // Succeeded -> FAILED_PRECONDITION.
+    let s = submit(&mut jobs, "cs", "k", json!({})).await;
+    let l = lease_one(&mut workers, "w", "cs").await;
+    complete_ok(&mut workers, &l).await;
+    expect_code(
+        jobs.cancel(pb::CancelJobRequest {
+            id: s.id.clone(),
+            reason: String::new(),
+        })
+        .await,
+        Code::FailedPrecondition,
+        "Cancel of a SUCCEEDED job",
+    );
+    assert_eq!(state(&get(&mut jobs, &s.id).await), St::Succeeded);
+    server.stop().await;
+}
+
+async fn cancel_grace_revokes_lease(backend: Backend) {
+    let server = TestServer::start_with(backend, |s| {
+        s.cancel_grace = Duration::from_secs(1);
+        s.reaper_interval = Duration::from_millis(200);
+    })
+    .await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+
+    let job = submit(&mut jobs, "g", "k", json!({})).await;
+    let leased = lease_one(&mut workers, "deaf-worker", "g").await;
+    let t0 = Instant::now();
+    jobs.cancel(pb::CancelJobRequest {
+        id: job.id.clone(),
+        reason: "grace".into(),
+    })
+    .await
+    .expect("Cancel");
+    let j = wait_for_state(&mut jobs, &job.id, St::Cancelled, Duration::from_secs(6)).await;
+    assert!(
+        t0.elapsed() >= Duration::from_millis(900),
+        "cancelled only after the grace period, got {:?}",
+        t0.elapsed()
+    );
+    assert!(j.finished_at.is_some());
+    expect_code(
+        workers
+            .heartbeat(pb::HeartbeatRequest {
+                job_id: job.id.clone(),
+                lease_token: leased.lease_token.clone(),
+                ..Default::default()
+            })
+            .await,
+        Code::Aborted,
+        "Heartbeat after the grace revoked the lease",
+    );
+    expect_code(
+        workers.complete(success_req(&leased, json!(1))).await,
+        Code::Aborted,
+        "Complete after the grace revoked the lease",
+    );
+    assert_eq!(state(&get(&mut jobs, &job.id).await), St::Cancelled);
+    assert!(
+        lease_now(&mut workers, "w", "g").await.is_empty(),
+        "never retried"
+    );
+    server.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// 6. watch
+// ---------------------------------------------------------------------------
+
+async fn watch_resume_from_sequence(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+
+    let job = submit(&mut jobs, "w", "k", json!({})).await;
+    let leased = lease_one(&mut workers, "w1", "w").await;
+
+    {
+        let mut stream = jobs
+            .watch_job(pb::WatchJobRequest {
+                id: job.id.clone(),
+                after_sequence: 0,
+            })
+            .await
+            .expect("WatchJob")
+            .into_inner();
+        let mut first = Vec::new();
+        for _ in 0..2 {
+            let e = within(LONG, "first watch events", stream.next())
+                .await
+                .expect("stream has an event")
+                .expect("event");
+            first.push(e);
+        }
+        assert_eq!(sequences(&first), vec![1, 2]);
+        assert_eq!(event_types(&first), vec![Ev::Submitted, Ev::Leased]);
+        // dropped here: the client disconnects
+    }
+
+    for p in [0.25, 0.75] {
+        workers
+            .heartbeat(pb::HeartbeatRequest {
+                job_id: job.id.clone(),
+                lease_token: leased.lease_token.clone(),
+                progress: Some(p),
+                ..Default::default()
+            })
+            .await
+            .expect("Heartbeat");
+    }
+    complete_ok(&mut workers, &leased).await;
+
+    let rest = watch_all(&mut jobs, &job.id, 2, LONG).await;
+    assert_eq!(
+        sequences(&rest),
+        vec![3, 4, 5],
+        "exactly the events after 2"
+    );
+    assert_eq!(
+        event_types(&rest),
+        vec![Ev::Progress, Ev::Progress, Ev::Succeeded]
+    );
+
+    let tail = watch_all(&mut jobs, &job.id, 4, LONG).await;
+    assert_eq!(sequences(&tail), vec![5]);
+    let none = watch_all(&mut jobs, &job.id, 5, LONG).await;
+    assert!(
+        none.is_empty(),
+        "nothing after the terminal event; stream ends: {none:?}"
+    );
+    server.stop().await;
+}
+
+async fn watch_live_push(backend: Backend) {
+    // A long fallback poll: the pushes must come from the notifier.
+    let server = TestServer::start_with(backend, |s| {
+        s.fallback_poll = Duration::from_secs(60);
+    })
+    .await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+    let job = submit(&mut jobs, "live", "k", json!({})).await;
+
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut watcher_client = jobs.clone();
+    let id = job.id.clone();
+    let watcher = tokio::spawn(async move {
+        let mut stream = watcher_client
+            .watch_job(pb::WatchJobRequest {
+                id,
+                after_sequence: 0,
+            })
+            .await
+            .expect("WatchJob")
+            .into_inner();
+        while let Some(item) = stream.next().await {
+            if tx.send(item).is_err() {
+                break;
+            }
+        }
+    });
+    let quick = Duration::from_secs(3);
+
+    let e1 = recv_event(&mut rx, quick).await;
+    assert_eq!((e1.sequence, event_type(&e1)), (1, Ev::Submitted));
+
+    let leased = lease_one(&mut workers, "w", "live").await;
+    let e2 = recv_event(&mut rx, quick).await;
+    assert_eq!((e2.sequence, event_type(&e2)), (2, Ev::Leased));
+
+    complete_ok(&mut workers, &leased).await;
+    let e3 = recv_event(&mut rx, quick).await;
+    assert_eq!((e3.sequence, event_type(&e3)), (3, Ev::Succeeded));
+
+    let end = tokio::time::timeout(quick, rx.recv()).await;
+    assert!(
+        matches!(end, Ok(None)),
+        "the stream ends after the terminal event, got {end:?}"
+    );
+    within(quick, "watcher task", watcher)
+        .await
+        .expect("watcher task");
+    server.stop().await;
+}
+
+async fn recv_event(
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<Result<pb::JobEvent, tonic::Status>>,
+    d: Duration,
+) -> pb::JobEvent {
+    tokio::time::timeout(d, rx.recv())
+        .await
+        .unwrap_or_else(|_| panic!("event pushed within {d:?}"))
+        .expect("stream still open")
+        .expect("event, not an error")
+}
+
+// ---------------------------------------------------------------------------
+// 7. concurrency
+// ---------------------------------------------------------------------------
+
+#[derive(Default)]
+struct DrainLog {
+    leased: HashSet<(String, u32)>,
+    tokens: HashSet<String>,
+    duplicates: Vec<String>,
+    completes: HashMap<String, u32>,
+    errors: Vec<String>,
+    leases: usize,
+}
+
+async fn concurrent_drain(backend: Backend) {
+    const TOTAL: usize = 5000;
+    const WORKERS: usize = 32;
+    let server = TestServer::start(backend).await;
+    let replica = match backend {
+        Backend::Postgres => Some(server.start_replica().await),
+        Backend::Sqlite => None,
+    };
+    let mut jobs = server.jobs_client("load");
+
+    let mut submitted = HashSet::new();
+    for b in 0..TOTAL / 500 {
+        let items = (0..500)
+            .map(|i| submit_req("bulk", "work", json!({"n": b * 500 + i})))
+            .collect();
+        let resp = jobs
+            .submit_batch(pb::SubmitBatchRequest { jobs: items })
+            .await
+            .expect("SubmitBatch")
+            .into_inner();
+        assert_eq!(resp.results.len(), 500);
+        for r in resp.results {
+            match r.result {
+                Some(pb::submit_batch_result::Result::Ok(ok)) => {
+                    assert!(ok.created);
+                    submitted.insert(ok.job.expect("job").id);
+                }
+                other => panic!("batch item failed: {other:?}"),
+            }
+        }
+    }
+    assert_eq!(submitted.len(), TOTAL);
+
+    let log = Arc::new(Mutex::new(DrainLog::default()));
+    let ok = Arc::new(AtomicUsize::new(0));
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for w in 0..WORKERS {
+        let target = match (&replica, w % 2) {
+            (Some(rep), 1) => rep,
+            _ => &server,
+        };
+        let mut client = target.workers_client_own_conn("load").await;
+        let log = log.clone();
+        let ok = ok.clone();
+        let worker_id = format!("worker-{w}");
+        let max_jobs = (w % 4) as u32 + 1;
+        tasks.push(tokio::spawn(async move {
+            while ok.load(Ordering::SeqCst) < TOTAL && Instant::now() < deadline {
+                let leased = match client
+                    .lease(lease_req(
+                        &worker_id,
+                        "bulk",
+                        max_jobs,
+                        Duration::from_secs(1),
+                    ))
+                    .await
+                {
+                    Ok(r) => r.into_inner().jobs,
+                    Err(s) => {
+                        log.lock()
+                            .await
+                            .errors
+                            .push(format!("{worker_id} Lease: {s:?}"));
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                assert!(
+                    leased.len() <= max_jobs as usize,
+                    "Lease returned more than max_jobs"
+                );
+                {
+                    let mut l = log.lock().await;
+                    for j in &leased {
+                        l.leases += 1;
+                        if !l.leased.insert((j.job_id.clone(), j.attempt)) {
+                            l.duplicates
+                                .push(format!("({}, {}) leased twice", j.job_id, j.attempt));
+                        }
+                        if !l.tokens.insert(j.lease_token.clone()) {
+                            l.duplicates
+                                .push(format!("token {} handed out twice", j.lease_token));
+                        }
+                    }
+                }
+                for j in leased {
+                    match client
+                        .complete(success_req(&j, json!({"w": worker_id})))
+                        .await
+                    {
+                        Ok(_) => {
+                            *log.lock()
+                                .await
+                                .completes
+                                .entry(j.job_id.clone())
+                                .or_default() += 1;
+                            ok.fetch_add(1, Ordering::SeqCst);
+                        }
+                        Err(s) => log
+                            .lock()
+                            .await
+                            .errors
+                            .push(format!("{worker_id} Complete {}: {s:?}", j.job_id)),
+                    }
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("worker task");
+    }
+    let elapsed = started.elapsed();
+    eprintln!(
+        "{backend:?}: drained {} jobs with {WORKERS} workers in {elapsed:?} ({:.0} jobs/s)",
+        ok.load(Ordering::SeqCst),
+        ok.load(Ordering::SeqCst) as f64 / elapsed.as_secs_f64()
+    );
+
+    let log = log.lock().await;
+    assert!(
+        log.duplicates.is_empty(),
+        "duplicates: {:?}",
+        &log.duplicates[..log.duplicates.len().min(20)]
+    );
+    assert!(
+        log.errors.is_empty(),
+        "{} errors, first: {:?}",
+        log.errors.len(),
+        &log.errors[..log.errors.len().min(20)]
+    );
+    assert_eq!(ok.load(Ordering::SeqCst), TOTAL, "total OK completes");
+    assert_eq!(log.leases, TOTAL, "every job leased exactly once");
+    let completed: HashSet<String> = log.completes.keys().cloned().collect();
+    assert_eq!(completed, submitted, "every submitted job completed");
+    let multi: Vec<_> = log.completes.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(multi.is_empty(), "jobs completed more than once: {multi:?}");
+
+    let succeeded = list_all(
+        &mut jobs,
+        pb::ListJobsRequest {
+            queue: "bulk".into(),
+            states: vec![St::Succeeded as i32],
+            ..list_req()
+        },
+    )
+    .await;
+    assert_eq!(succeeded.len(), TOTAL, "List pages through every job once");
+    assert_eq!(ids(&succeeded), submitted, "every job SUCCEEDED");
+    let left = list_all(
+        &mut jobs,
+        pb::ListJobsRequest {
+            queue: "bulk".into(),
+            states: vec![St::Queued as i32, St::Running as i32, St::Failed as i32],
+            ..list_req()
+        },
+    )
+    .await;
+    assert!(left.is_empty(), "{} jobs not SUCCEEDED", left.len());
+
+    drop(log);
+    if let Some(r) = replica {
+        r.stop().await;
+    }
+    server.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// 8. long-poll wake
+// ---------------------------------------------------------------------------
+
+async fn long_poll_wake(backend: Backend) {
+    // A long fallback poll: the wake-up must come from the notifier.
+    let server = TestServer::start_with(backend, |s| {
+        s.fallback_poll = Duration::from_secs(30);
+    })
+    .await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+
+    // An empty long poll returns empty after about `wait`.
+    let t = Instant::now();
+    let empty = workers
+        .lease(lease_req("w", "nothing", 1, Duration::from_secs(1)))
+        .await
+        .expect("Lease")
+        .into_inner()
+        .jobs;
+    assert!(empty.is_empty());
+    assert!(
+        t.elapsed() >= Duration::from_millis(900) && t.elapsed() < Duration::from_secs(3),
+        "empty long poll lasts about its wait (1 s): {:?}",
+        t.elapsed()
+    );
+
+    wake_case(&mut workers, &mut jobs, "wake").await;
+
+    if let Backend::Postgres = backend {
+        // Across replicas: LISTEN/NOTIFY carries the wake-up.
+        let replica = server.start_replica().await;
+        let mut rworkers = replica.workers_client("t");
+        wake_case(&mut rworkers, &mut jobs, "wake-replica").await;
+        replica.stop().await;
+    }
+    server.stop().await;
+}
+
+async fn wake_case(workers: &mut WorkersClient, jobs: &mut JobsClient, queue: &str) {
+    let mut w = workers.clone();
+    let q = queue.to_string();
+    let waiter = tokio::spawn(async move {
+        let t = Instant::now();
+        let r = w
+            .lease(lease_req("sleeper", &q, 1, Duration::from_secs(10)))
+            .await
+            .expect("Lease")
+            .into_inner()
+            .jobs;
+        (r, t.elapsed())
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let job = submit(jobs, queue, "k", json!({})).await;
+    let (leased, elapsed) = within(Duration::from_secs(15), "long-poll Lease", waiter)
+        .await
+        .expect("waiter task");
+    assert_eq!(
+        leased.len(),
+        1,
+        "the long poll returns the new job ({queue})"
+    );
+    assert_eq!(leased[0].job_id, job.id);
+    assert!(
+        elapsed >= Duration::from_millis(250),
+        "the Lease did wait for the submit: {elapsed:?}"
+    );
+    assert!(
+        elapsed < Duration::from_secs(3),
+        "woken by the submit, not by the end of the wait ({queue}): {elapsed:?}"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// 9. validation
+// ---------------------------------------------------------------------------
+
+async fn validation(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client("val");
+    let mut workers = server.workers_client("val");
+    let ok = || submit_req("q", "k", json!({"a": 1}));
+
+    macro_rules! bad_submit {
+        ($field:expr, $what:expr, |$r:ident| $edit:expr) => {{
+            let mut $r = ok();
+            $edit;
+            expect_invalid(jobs.submit($r).await, $field, $what);
+        }};
+    }
+    bad_submit!(&["queue"], "empty queue", |r| r.queue = String::new());
+    bad_submit!(&["queue"], "queue with bad characters", |r| r.queue =
+        "bad queue!".into());
+    bad_submit!(&["queue"], "queue of 129 characters", |r| r.queue =
+        "q".repeat(129));
+    bad_submit!(&["kind"], "empty kind", |r| r.kind = String::new());
+    bad_submit!(&["max_attempts"], "max_attempts 0", |r| r.max_attempts =
+        Some(0));
+    bad_submit!(&["max_attempts"], "max_attempts 101", |r| r.max_attempts =
+        Some(101));
+    bad_submit!(&["priority"], "priority 1001", |r| r.priority = 1001);
+    bad_submit!(&["payload"], "payload over 1 MiB", |r| r.payload =
+        Some(json_to_value(json!({"blob": "x".repeat(1024 * 1024 + 16)}))));
+    bad_submit!(&["deadline"], "deadline in the past", |r| r.deadline =
+        Some(ts(Utc::now() - chrono::Duration::seconds(60))));
+    bad_submit!(&["labels"], "invalid label key", |r| r
+        .labels
+        .insert("Bad Key!".into(), "v".into()));
+    bad_submit!(&["idempotency_key"], "idempotency_key of 257", |r| r
+        .idempotency_key =
+        "k".repeat(257));
+    bad_submit!(&["backoff.initial", "backoff"], "backoff initial 0", |r| {
+        r.backoff = Some(pb::Backoff {
+            initial: Some(ms(0)),
+            max: None,
+        })
+    });
+
+    expect_invalid(
+        jobs.submit_batch(pb::SubmitBatchRequest { jobs: vec![] })
+            .await,
+        &["jobs"],
+        "SubmitBatch with 0 items",
+    );
+    expect_invalid(
+        jobs.submit_batch(pb::SubmitBatchRequest {
+            jobs: (0..1001).map(|_| ok()).collect(),
+        })
+        .await,
+        &["jobs"],
+        "SubmitBatch with 1001 items",
+    );
+    let written = list_all(&mut jobs, list_req()).await;
+    assert!(
+        written.is_empty(),
+        "rejected submits wrote nothing: {written:?}"
+    );
+
+    expect_invalid(
+        jobs.get(pb::GetJobRequest {
+            id: "not-a-uuid".into(),
+        })
+        .await,
+        &["id"],
+        "Get with a malformed id",
+    );
+
+    let lease = || pb::LeaseRequest {
+        worker_id: "w".into(),
+        queues: vec!["q".into()],
+        ..Default::default()
+    };
+    macro_rules! bad_lease {
+        ($field:expr, $what:expr, |$r:ident| $edit:expr) => {{
+            let mut $r = lease();
+            $edit;
+            expect_invalid(within(LONG, $what, workers.lease($r)).await, $field, $what);
+        }};
+    }
+    bad_lease!(&["queues"], "Lease with no queues", |r| r.queues.clear());
+    bad_lease!(&["worker_id"], "Lease with empty worker_id", |r| r
+        .worker_id =
+        String::new());
+    bad_lease!(&["max_jobs"], "Lease max_jobs 0", |r| r.max_jobs = Some(0));
+    bad_lease!(&["max_jobs"], "Lease max_jobs 101", |r| r.max_jobs =
+        Some(101));
+    bad_lease!(&["wait"], "Lease wait 61 s", |r| r.wait = Some(secs(61)));
+    bad_lease!(&["lease_duration"], "Lease lease_duration 0", |r| r
+        .lease_duration =
+        Some(ms(0)));
+
+    for (size, what) in [(0, "page_size 0"), (1001, "page_size 1001")] {
+        expect_invalid(
+            jobs.list(pb::ListJobsRequest {
+                page_size: Some(size),
+                ..list_req()
+            })
+            .await,
+            &["page_size"],
+            what,
+        );
+    }
+    expect_invalid(
+        jobs.list(pb::ListJobsRequest {
+            page_token: "garbage!!".into(),
+            ..list_req()
+        })
+        .await,
+        &["page_token"],
+        "List with a garbage page_token",
+    );
+
+    // Heartbeat / Complete on a real lease, so only the bad field is wrong.
+    submit(&mut jobs, "q", "k", json!({})).await;
+    let leased = lease_one(&mut workers, "w", "q").await;
+    expect_invalid(
+        workers
+            .heartbeat(pb::HeartbeatRequest {
+                job_id: leased.job_id.clone(),
+                lease_token: leased.lease_token.clone(),
+                progress: Some(1.5),
+                ..Default::default()
+            })
+            .await,
+        &["progress"],
+        "Heartbeat with progress 1.5",
+    );
+    expect_invalid(
+        workers
+            .complete(pb::CompleteRequest {
+                job_id: leased.job_id.clone(),
+                lease_token: leased.lease_token.clone(),
+                outcome: None,
+                cost_cents: 0,
+            })
+            .await,
+        &["outcome"],
+        "Complete with no outcome",
+    );
+    let j = get(&mut jobs, &leased.job_id).await;
+    assert_eq!(state(&j), St::Running, "rejected calls changed nothing");
+    assert_eq!(j.progress, 0.0);
+    server.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// 10. stale tokens, lease expiry, NOT_FOUND
+// ---------------------------------------------------------------------------
+
+async fn stale_lease_token(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+
+    let job = submit(&mut jobs, "s", "k", json!({})).await;
+    let leased = lease_one(&mut workers, "w", "s").await;
+    let mut forged = leased.clone();
+    forged.lease_token = uuid::Uuid::new_v4().to_string();
+
+    expect_code(
+        workers
+            .complete(success_req(&forged, json!("forged")))
+            .await,
+        Code::Aborted,
+        "Complete with a made-up token",
+    );
+    let j = get(&mut jobs, &job.id).await;
+    assert_eq!(state(&j), St::Running, "a stale Complete writes nothing");
+    assert!(j.result.is_none());
+    expect_code(
+        workers
+            .heartbeat(pb::HeartbeatRequest {
+                job_id: job.id.clone(),
+                lease_token: forged.lease_token.clone(),
+                ..Default::default()
+            })
+            .await,
+        Code::Aborted,
+        "Heartbeat with a made-up token",
+    );
+    expect_code(
+        workers
+            .complete(failure_req(&forged, "x", Some(false), None))
+            .await,
+        Code::Aborted,
+        "Complete(failure) with a made-up token",
+    );
+
+    let done = complete_ok(&mut workers, &leased).await;
+    assert_eq!(state(&done), St::Succeeded, "the real token still works");
+    expect_code(
+        workers
+            .heartbeat(pb::HeartbeatRequest {
+                job_id: job.id.clone(),
+                lease_token: leased.lease_token.clone(),
+                ..Default::default()
+            })
+            .await,
+        Code::Aborted,
+        "Heartbeat after the job ended",
+    );
+    expect_code(
+        workers.complete(success_req(&leased, json!("twice"))).await,
+        Code::Aborted,
+        "second Complete with the same token",
+    );
+    server.stop().await;
+}
+
+async fn lease_expiry_reclaims(backend: Backend) {
+    let server = TestServer::start_with(backend, |s| {
+        s.reaper_interval = Duration::from_millis(200);
+    })
+    .await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+    let short = |queue: &str| pb::LeaseRequest {
+        worker_id: "slow".into(),
+        queues: vec![queue.into()],
+        max_jobs: Some(1),
+        lease_duration: Some(secs(1)),
+        wait: Some(secs(5)),
+        ..Default::default()
+    };
+
+    let job = submit(&mut jobs, "exp", "k", json!({})).await;
+    let old = workers
+        .lease(short("exp"))
+        .await
+        .expect("Lease")
+        .into_inner()
+        .jobs;
+    assert_eq!(old.len(), 1);
+    let old = &old[0];
+    let t0 = Instant::now();
+    let back = wait_for_state(&mut jobs, &job.id, St::Queued, Duration::from_secs(6)).await;
+    assert!(
+        t0.elapsed() >= Duration::from_millis(900),
+        "reclaimed only after the lease expired: {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(back.attempt, 1);
+    let ev = event_types(&watch_all_until_now(&mut jobs, &job.id).await);
+    assert_eq!(ev, vec![Ev::Submitted, Ev::Leased, Ev::LeaseExpired]);
+
+    expect_code(
+        workers.complete(success_req(old, json!("late"))).await,
+        Code::Aborted,
+        "Complete with the expired lease's token",
+    );
+    let new = lease_one(&mut workers, "fast", "exp").await;
+    assert_eq!(new.job_id, job.id);
+    assert_eq!(new.attempt, 2);
+    assert_ne!(
+        new.lease_token, old.lease_token,
+        "a new token for the new attempt"
+    );
+    expect_code(
+        workers
+            .heartbeat(pb::HeartbeatRequest {
+                job_id: job.id.clone(),
+                lease_token: old.lease_token.clone(),
+                ..Default::default()
+            })
+            .await,
+        Code::Aborted,
+        "Heartbeat with the expired lease's token",
+    );
+    expect_code(
+        workers.complete(success_req(old, json!("late"))).await,
+        Code::Aborted,
+        "the old token stays dead after the re-lease",
+    );
+    let done = complete_ok(&mut workers, &new).await;
+    assert_eq!(state(&done), St::Succeeded);
+    assert_eq!(done.result, Some(json_to_value(json!({"done": true}))));
+
+    // Lease lost on the last attempt -> FAILED with lease_expired.
+    let mut r = submit_req("exp1", "k", json!({}));
+    r.max_attempts = Some(1);
+    let last = submit_with(&mut jobs, r).await;
+    let l = workers
+        .lease(short("exp1"))
+        .await
+        .expect("Lease")
+        .into_inner()
+        .jobs;
+    assert_eq!(l.len(), 1);
+    let failed = wait_for_state(&mut jobs, &last.id, St::Failed, Duration::from_secs(6)).await;
+    assert_eq!(
+        failed.error.expect("error").class,
+        "lease_expired",
+        "a lost lease on the last attempt is a lease_expired failure"
+    );
+    server.stop().await;
+}
+
+async fn not_found_and_tenant_isolation(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut mine = server.jobs_client("alice");
+    let mut theirs = server.jobs_client("mallory");
+
+    let unknown = uuid::Uuid::now_v7().to_string();
+    let job = submit(&mut mine, "private", "k", json!({"secret": "s3cr3t"})).await;
+
+    for (client, id, who) in [
+        (&mut mine, unknown.as_str(), "unknown id"),
+        (&mut theirs, job.id.as_str(), "another tenant's job"),
+    ] {
+        let s = expect_code(
+            client.get(pb::GetJobRequest { id: id.into() }).await,
+            Code::NotFound,
+            &format!("Get {who}"),
+        );
+        assert!(
+            !s.message().contains("s3cr3t"),
+            "no data of another tenant leaks"
+        );
+        expect_code(
+            client
+                .cancel(pb::CancelJobRequest {
+                    id: id.into(),
+                    reason: String::new(),
+                })
+                .await,
+            Code::NotFound,
+            &format!("Cancel {who}"),
+        );
+        let watch = client
+            .watch_job(pb::WatchJobRequest {
+                id: id.into(),
+                after_sequence: 0,
+            })
+            .await;
+        match watch {
+            Err(s) => assert_eq!(s.code(), Code::NotFound, "WatchJob {who}: {s:?}"),
+            Ok(resp) => {
+                let mut stream = resp.into_inner();
+                let first = within(LONG, "WatchJob NOT_FOUND", stream.next()).await;
+                match first {
+                    Some(Err(s)) => assert_eq!(s.code(), Code::NotFound, "WatchJob {who}: {s:?}"),
+                    other => panic!("WatchJob {who}: expected NOT_FOUND, got {other:?}"),
+                }
+            }
+        }
+        expect_code(
+            client
+                .retry(pb::RetryJobRequest {
+                    target: Some(pb::retry_job_request::Target::Id(id.into())),
+                    ..Default::default()
+                })
+                .await,
+            Code::NotFound,
+            &format!("Retry {who}"),
+        );
+    }
+    let j = get(&mut mine, &job.id).await;
+    assert_eq!(
+        state(&j),
+        St::Queued,
+        "the other tenant's Cancel did nothing"
+    );
+    assert!(
+        list_all(&mut theirs, list_req()).await.is_empty(),
+        "List is per tenant"
+    );
+    server.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// 11. reflection and health
+// ---------------------------------------------------------------------------
+
+const EXPECTED_SERVICES: [&str; 3] = [
+    "intray.v1.JobService",
+    "intray.v1.WorkerService",
+    "grpc.health.v1.Health",
+];
+
+async fn reflection_and_health(backend: Backend) {
+    let server = TestServer::start(backend).await;
+
+    {
+        use tonic_reflection::pb::v1::ServerReflectionRequest;
+        use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+        use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+        use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+        let mut c = ServerReflectionClient::new(server.channel());
+        let reqs = vec![
+            ServerReflectionRequest {
+                host: String::new(),
+                message_request: Some(MessageRequest::ListServices(String::new())),
+            },
+            ServerReflectionRequest {
+                host: String::new(),
+                message_request: Some(MessageRequest::FileContainingSymbol(
+                    "intray.v1.JobService".into(),
+                )),
+            },
+        ];
+        let mut stream = c
+            .server_reflection_info(tokio_stream::iter(reqs))
+            .await
+            .expect("reflection v1")
+            .into_inner();
+        let first = within(LONG, "reflection v1", stream.next())
+            .await
+            .expect("a response")
+            .expect("response");
+        let names: Vec<String> = match first.message_response {
+            Some(MessageResponse::ListServicesResponse(l)) => {
+                l.service.into_iter().map(|s| s.name).collect()
+            }
+            other => panic!("v1 list_services: unexpected {other:?}"),
+        };
+        for s in EXPECTED_SERVICES {
+            assert!(names.iter().any(|n| n == s), "v1 lists {s}: {names:?}");
+        }
+        let second = within(LONG, "reflection v1 symbol", stream.next())
+            .await
+            .expect("a response")
+            .expect("response");
+        match second.message_response {
+            Some(MessageResponse::FileDescriptorResponse(f)) => {
+                assert!(
+                    !f.file_descriptor_proto.is_empty(),
+                    "descriptor of JobService served"
+                )
+            }
+            other => panic!("v1 file_containing_symbol: unexpected {other:?}"),
+        }
+    }
+    {
+        use tonic_reflection::pb::v1alpha::ServerReflectionRequest;
+        use tonic_reflection::pb::v1alpha::server_reflection_client::ServerReflectionClient;
+        use tonic_reflection::pb::v1alpha::server_reflection_request::MessageRequest;
+        use tonic_reflection::pb::v1alpha::server_reflection_response::MessageResponse;
+        let mut c = ServerReflectionClient::new(server.channel());
+        let req = ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        };
+        let mut stream = c
+            .server_reflection_info(tokio_stream::once(req))
+            .await
+            .expect("reflection v1alpha")
+            .into_inner();
+        let first = within(LONG, "reflection v1alpha", stream.next())
+            .await
+            .expect("a response")
+            .expect("response");
+        let names: Vec<String> = match first.message_response {
+            Some(MessageResponse::ListServicesResponse(l)) => {
+                l.service.into_iter().map(|s| s.name).collect()
+            }
+            other => panic!("v1alpha list_services: unexpected {other:?}"),
+        };
+        for s in EXPECTED_SERVICES {
+            assert!(names.iter().any(|n| n == s), "v1alpha lists {s}: {names:?}");
+        }
+    }
+
+    use tonic_health::pb::health_check_response::ServingStatus;
+    let mut health = tonic_health::pb::health_client::HealthClient::new(server.channel());
+    for service in ["", "intray.v1.JobService", "intray.v1.WorkerService"] {
+        let r = health
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .unwrap_or_else(|s| panic!("Health.Check({service:?}): {s:?}"))
+            .into_inner();
+        assert_eq!(
+            r.status,
+            ServingStatus::Serving as i32,
+            "Health.Check({service:?}) is SERVING"
+        );
+    }
+    server.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// 12. List and Stats
+// ---------------------------------------------------------------------------
+
+async fn list_filters_and_pagination(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+
+    let labelled = |q: &str, k: &str, labels: &[(&str, &str)]| {
+        let mut r = submit_req(q, k, json!({}));
+        for (key, v) in labels {
+            r.labels.insert((*key).into(), (*v).into());
+        }
+        r
+    };
+    let a = submit_with(&mut jobs, labelled("fa", "k1", &[("team", "a")]))
+        .await
+        .id;
+    let b = submit_with(
+        &mut jobs,
+        labelled("fa", "k2", &[("team", "b"), ("env", "prod")]),
+    )
+    .await
+    .id;
+    let c = submit_with(&mut jobs, labelled("fb", "k1", &[("team", "b")]))
+        .await
+        .id;
+    let d = make_failed(&mut jobs, &mut workers, "fc", "boom").await.id;
+    let e = make_failed(&mut jobs, &mut workers, "fc", "other").await.id;
+
+    let set = |v: &[&String]| v.iter().map(|s| (*s).clone()).collect::<HashSet<String>>();
+    let mut check = async |f: pb::ListJobsRequest, want: HashSet<String>, what: &str| {
+        let got = ids(&list_all(&mut jobs, f).await);
+        assert_eq!(got, want, "List filter {what}");
+    };
+    check(list_req(), set(&[&a, &b, &c, &d, &e]), "none").await;
+    check(
+        pb::ListJobsRequest {
+            queue: "fa".into(),
+            ..list_req()
+        },
+        set(&[&a, &b]),
+        "queue",
+    )
+    .await;
+    check(
+        pb::ListJobsRequest {
+            kind: "k1".into(),
+            ..list_req()
+        },
+        set(&[&a, &c]),
+        "kind",
+    )
+    .await;
+    check(
+        pb::ListJobsRequest {
+            queue: "fa".into(),
+            kind: "k2".into(),
+            ..list_req()
+        },
+        set(&[&b]),
+        "queue+kind",
+    )
+    .await;
+    check(
+        pb::ListJobsRequest {
+            states: vec![St::Failed as i32],
+            ..list_req()
+        },
+        set(&[&d, &e]),
+        "states=[FAILED]",
+    )
+    .await;
+    check(
+        pb::ListJobsRequest {
+            states: vec![St::Queued as i32],
+            ..list_req()
+        },
+        set(&[&a, &b, &c]),
+        "states=[QUEUED]",
+    )
+    .await;
+    check(
+        pb::ListJobsRequest {
+            states: vec![St::Queued as i32, St::Failed as i32],
+            ..list_req()
+        },
+        set(&[&a, &b, &c, &d, &e]),
+        "states=[QUEUED,FAILED]",
+    )
+    .await;
+    check(
+        pb::ListJobsRequest {
+            error_class: "boom".into(),
+            ..list_req()
+        },
+        set(&[&d]),
+        "error_class",
+    )
+    .await;
+    let labels = |pairs: &[(&str, &str)]| {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_string(), (*v).to_string()))
+            .collect::<HashMap<_, _>>()
+    };
+    check(
+        pb::ListJobsRequest {
+            labels: labels(&[("team", "b")]),
+            ..list_req()
+        },
+        set(&[&b, &c]),
+        "labels team=b",
+    )
+    .await;
+    check(
+        pb::ListJobsRequest {
+            labels: labels(&[("team", "b"), ("env", "prod")]),
+            ..list_req()
+        },
+        set(&[&b]),
+        "labels team=b,env=prod",
+    )
+    .await;
+    check(
+        pb::ListJobsRequest {
+            labels: labels(&[("team", "b"), ("env", "dev")]),
+            ..list_req()
+        },
+        HashSet::new(),
+        "labels team=b,env=dev",
+    )
+    .await;
+
+    // Keyset pagination, newest first.
+    let mut submitted = Vec::new();
+    for i in 0..25 {
+        submitted.push(submit(&mut jobs, "page", "k", json!({"i": i})).await.id);
+    }
+    let mut pages = Vec::new();
+    let mut token = String::new();
+    loop {
+        let page = jobs
+            .list(pb::ListJobsRequest {
+                queue: "page".into(),
+                page_size: Some(10),
+                page_token: token.clone(),
+                ..list_req()
+            })
+            .await
+            .expect("List page")
+            .into_inner();
+        let last = page.next_page_token.is_empty();
+        pages.push(page);
+        if last || pages.len() > 5 {
+            break;
+        }
+        token = pages.last().expect("page").next_page_token.clone();
+    }
+    let sizes: Vec<usize> = pages.iter().map(|p| p.jobs.len()).collect();
+    assert_eq!(sizes, vec![10, 10, 5], "page sizes");
+    assert!(!pages[0].next_page_token.is_empty() && !pages[1].next_page_token.is_empty());
+    assert!(
+        pages[2].next_page_token.is_empty(),
+        "last page has no next token"
+    );
+    let listed: Vec<String> = pages
+        .iter()
+        .flat_map(|p| p.jobs.iter().map(|j| j.id.clone()))
+        .collect();
+    let unique: HashSet<&String> = listed.iter().collect();
+    assert_eq!(unique.len(), 25, "no duplicates across pages");
+    let newest_first: Vec<String> = submitted.iter().rev().cloned().collect();
+    assert_eq!(listed, newest_first, "newest first");
+    server.stop().await;
+}
+
+async fn stats_counts(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+
+    let s0 = submit(&mut jobs, "s1", "k", json!({})).await;
+    let l = lease_one(&mut workers, "finisher", "s1").await;
+    assert_eq!(l.job_id, s0.id);
+    complete_ok(&mut workers, &l).await;
+    make_failed(&mut jobs, &mut workers, "s1", "boom").await;
+    make_failed(&mut jobs, &mut workers, "s1", "boom").await;
+    submit(&mut jobs, "s1", "k", json!({})).await;
+    let held = lease_one(&mut workers, "stats-worker", "s1").await;
+    let t_queued = Instant::now();
+    for _ in 0..3 {
+        submit(&mut jobs, "s1", "k", json!({})).await;
+    }
+    submit(&mut jobs, "s2", "k", json!({})).await;
+
+    let stats = jobs
+        .stats(pb::StatsRequest::default())
+        .await
+        .expect("Stats")
+        .into_inner();
+    let count = |qs: &pb::QueueStats, s: St| {
+        qs.counts
+            .iter()
+            .filter(|c| c.state == s as i32)
+            .map(|c| c.count)
+            .sum::<u64>()
+    };
+    let s1 = stats
+        .queues
+        .iter()
+        .find(|q| q.queue == "s1")
+        .expect("stats for s1");
+    let s2 = stats
+        .queues
+        .iter()
+        .find(|q| q.queue == "s2")
+        .expect("stats for s2");
+    assert_eq!(count(s1, St::Queued), 3, "s1 queued: {s1:?}");
+    assert_eq!(count(s1, St::Running), 1, "s1 running: {s1:?}");
+    assert_eq!(count(s1, St::Succeeded), 1, "s1 succeeded: {s1:?}");
+    assert_eq!(count(s1, St::Failed), 2, "s1 failed: {s1:?}");
+    assert_eq!(count(s1, St::Cancelled), 0);
+    assert_eq!(s1.running, 1);
+    assert_eq!(s1.dead, 2, "dead counts FAILED");
+    let age = to_std(
+        s1.oldest_runnable_age
+            .as_ref()
+            .expect("oldest_runnable_age for s1"),
+    );
+    assert!(
+        age <= t_queued.elapsed() + Duration::from_secs(1),
+        "oldest runnable age {age:?} is no older than the queued jobs"
+    );
+    assert_eq!(count(s2, St::Queued), 1);
+    assert_eq!(s2.dead, 0);
+    assert_eq!(s2.running, 0);
+
+    let w = stats
+        .workers
+        .iter()
+        .find(|w| w.worker_id == "stats-worker")
+        .unwrap_or_else(|| panic!("stats-worker listed: {:?}", stats.workers));
+    assert_eq!(w.leases_held, 1);
+    assert!(
+        w.queues.iter().any(|q| q == "s1"),
+        "worker queues: {:?}",
+        w.queues
+    );
+    assert!(w.last_lease_at.is_some());
+    let f = stats
+        .workers
+        .iter()
+        .find(|w| w.worker_id == "finisher")
+        .unwrap_or_else(|| panic!("finisher listed: {:?}", stats.workers));
+    assert_eq!(f.leases_held, 0, "a worker that completed holds nothing");
+
+    let only = jobs
+        .stats(pb::StatsRequest { queue: "s2".into() })
+        .await
+        .expect("Stats s2")
+        .into_inner();
+    let names: Vec<&str> = only.queues.iter().map(|q| q.queue.as_str()).collect();
+    assert_eq!(names, vec!["s2"], "Stats for one queue");
+    drop(held);
+    server.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// 13. SubmitBatch, 14. CompleteBatch
+// ---------------------------------------------------------------------------
+
+async fn submit_batch_partial(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client("t");
+
+    let mut keyed = submit_req("b", "k", json!({"keyed": true}));
+    keyed.idempotency_key = "batch-key".into();
+    let original = submit_with(&mut jobs, keyed.clone()).await;
+    let mut conflicting = keyed.clone();
+    conflicting.payload = Some(json_to_value(json!({"keyed": false})));
+
+    let items = vec![
+        submit_req("b", "k", json!({"i": 0})),
+        submit_req("b", "", json!({"i": 1})),
+        submit_req("b", "k", json!({"i": 2})),
+        keyed,
+        conflicting,
+    ];
+    let res = jobs
+        .submit_batch(pb::SubmitBatchRequest { jobs: items })
+        .await
+        .expect("SubmitBatch")
+        .into_inner()
+        .results;
+    assert_eq!(res.len(), 5, "one result per item");
+    use pb::submit_batch_result::Result as R;
+    let created = |r: &pb::SubmitBatchResult| match &r.result {
+        Some(R::Ok(ok)) => (ok.created, ok.job.clone().expect("job")),
+        other => panic!("expected an ok item, got {other:?}"),
+    };
+    let (c0, j0) = created(&res[0]);
+    let (c2, j2) = created(&res[2]);
+    assert!(c0 && c2);
+    assert_eq!(state(&j0), St::Queued);
+    match &res[1].result {
+        Some(R::Error(e)) => {
+            assert_eq!(e.code, Code::InvalidArgument as i32);
+            assert!(
+                e.field == "kind" || e.field == "jobs[1].kind",
+                "item error names the field: {e:?}"
+            );
+        }
+        other => panic!("item 1 should fail alone, got {other:?}"),
+    }
+    let (c3, j3) = created(&res[3]);
+    assert!(!c3, "an idempotent item returns the original");
+    assert_eq!(j3.id, original.id);
+    match &res[4].result {
+        Some(R::Error(e)) => assert_eq!(e.code, Code::AlreadyExists as i32, "{e:?}"),
+        other => panic!("item 4 reuses a key with other input, got {other:?}"),
+    }
+    let all = ids(&list_all(&mut jobs, list_req()).await);
+    let want: HashSet<String> = [j0.id, j2.id, original.id].into_iter().collect();
+    assert_eq!(all, want, "only the valid items were stored");
+    server.stop().await;
+}
+
+async fn complete_batch_stale_item(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+    submit(&mut jobs, "cb", "k", json!({"n": 1})).await;
+    submit(&mut jobs, "cb", "k", json!({"n": 2})).await;
+    let leased = workers
+        .lease(lease_req("w", "cb", 2, Duration::from_secs(5)))
+        .await
+        .expect("Lease")
+        .into_inner()
+        .jobs;
+    assert_eq!(leased.len(), 2, "max_jobs 2 leases both");
+    let (good, stale) = (&leased[0], &leased[1]);
+    let mut forged = stale.clone();
+    forged.lease_token = uuid::Uuid::new_v4().to_string();
+
+    let res = workers
+        .complete_batch(pb::CompleteBatchRequest {
+            items: vec![
+                success_req(good, json!("good")),
+                success_req(&forged, json!("stale")),
+            ],
+        })
+        .await
+        .expect("CompleteBatch")
+        .into_inner()
+        .results;
+    assert_eq!(res.len(), 2);
+    use pb::complete_batch_result::Result as R;
+    match &res[0].result {
+        Some(R::Job(j)) => {
+            assert_eq!(j.id, good.job_id);
+            assert_eq!(state(j), St::Succeeded);
+        }
+        other => panic!("item 0 should succeed, got {other:?}"),
+    }
+    match &res[1].result {
+        Some(R::Error(e)) => assert_eq!(e.code, Code::Aborted as i32, "{e:?}"),
+        other => panic!("item 1 has a stale token, got {other:?}"),
+    }
+    assert_eq!(state(&get(&mut jobs, &good.job_id).await), St::Succeeded);
+    let s = get(&mut jobs, &stale.job_id).await;
+    assert_eq!(state(&s), St::Running, "the stale item wrote nothing");
+    assert!(s.result.is_none());
+    let done = complete_ok(&mut workers, stale).await;
+    assert_eq!(state(&done), St::Succeeded);
+    server.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// 15. deadline
+// ---------------------------------------------------------------------------
+
+/// SPEC 2: "deadline passed while QUEUED ... -> EXPIRED"; nobody leases it.
+async fn deadline_expires_queued(backend: Backend) {
+    let server = TestServer::start_with(backend, |s| {
+        s.reaper_interval = Duration::from_millis(200);
+    })
+    .await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+
+    let mut r = submit_req("dlq", "k", json!({}));
+    r.deadline = Some(ts(Utc::now() + chrono::Duration::seconds(1)));
+    let t0 = Instant::now();
+    let job = submit_with(&mut jobs, r).await;
+    let expired = wait_for_state(&mut jobs, &job.id, St::Expired, Duration::from_secs(6)).await;
+    assert!(
+        t0.elapsed() >= Duration::from_millis(900),
+        "expired only once the deadline passed: {:?}",
+        t0.elapsed()
+    );
+    assert!(expired.finished_at.is_some());
+    assert_eq!(expired.attempt, 0);
+    let got = lease_now(&mut workers, "w", "dlq").await;
+    assert!(got.is_empty(), "an expired job is never leased: {got:?}");
+    let ev = event_types(&watch_all(&mut jobs, &job.id, 0, LONG).await);
+    assert_eq!(ev, vec![Ev::Submitted, Ev::Expired]);
+    server.stop().await;
+}
+
+/// A job whose deadline comes before its run_at could never run: the submit
+/// is refused (README, "Deviations") and nothing is written.
+async fn deadline_before_run_at(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client("t");
+
+    let now = Utc::now();
+    let mut r = submit_req("dl", "k", json!({}));
+    r.deadline = Some(ts(now + chrono::Duration::seconds(1)));
+    r.run_at = Some(ts(now + chrono::Duration::seconds(3)));
+    expect_invalid(
+        jobs.submit(r).await,
+        &["deadline"],
+        "deadline before run_at",
+    );
+    let listed = jobs
+        .list(pb::ListJobsRequest::default())
+        .await
+        .expect("List")
+        .into_inner()
+        .jobs;
+    assert!(
+        listed.is_empty(),
+        "a refused submit writes nothing: {listed:?}"
+    );
+    server.stop().await;
+}
+
+/// SPEC 2: the deadline passing while the job waits for its next attempt.
+async fn deadline_between_attempts(backend: Backend) {
+    let server = TestServer::start_with(backend, |s| {
+        s.reaper_interval = Duration::from_millis(200);
+    })
+    .await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+
+    let mut r = submit_req("dl2", "k", json!({}));
+    r.deadline = Some(ts(Utc::now() + chrono::Duration::milliseconds(1500)));
+    let job = submit_with(&mut jobs, r).await;
+    let l = lease_one(&mut workers, "w", "dl2").await;
+    let requeued = workers
+        .complete(failure_req(
+            &l,
+            "slow",
+            Some(true),
+            Some(Duration::from_millis(10)),
+        ))
+        .await
+        .expect("Complete(failure)")
+        .into_inner()
+        .job
+        .expect("job");
+    assert_eq!(
+        state(&requeued),
+        St::Queued,
+        "deadline not passed yet: requeued"
+    );
+    let expired = wait_for_state(&mut jobs, &job.id, St::Expired, Duration::from_secs(6)).await;
+    assert_eq!(expired.attempt, 1);
+    let ev = event_types(&watch_all(&mut jobs, &job.id, 0, LONG).await);
+    assert_eq!(
+        ev,
+        vec![Ev::Submitted, Ev::Leased, Ev::RetryScheduled, Ev::Expired]
+    );
+    server.stop().await;
+}
+
+/// SPEC 3 Complete: a retryable failure with attempts left and the deadline
+/// not yet passed goes back to QUEUED, even when its retry delay ends after
+/// the deadline; the deadline then passes while it waits -> EXPIRED.
+async fn retry_beyond_deadline_expires(backend: Backend) {
+    let server = TestServer::start_with(backend, |s| {
+        s.reaper_interval = Duration::from_millis(200);
+    })
+    .await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+
+    let mut r = submit_req("dl3", "k", json!({}));
+    r.deadline = Some(ts(Utc::now() + chrono::Duration::milliseconds(1500)));
+    let job = submit_with(&mut jobs, r).await;
+    let l = lease_one(&mut workers, "w", "dl3").await;
+    let requeued = workers
+        .complete(failure_req(
+            &l,
+            "slow",
+            Some(true),
+            Some(Duration::from_secs(10)),
+        ))
+        .await
+        .expect("Complete(failure)")
+        .into_inner()
+        .job
+        .expect("job");
+    assert_eq!(
+        state(&requeued),
+        St::Queued,
+        "deadline not passed yet: requeued"
+    );
+    let expired = wait_for_state(&mut jobs, &job.id, St::Expired, Duration::from_secs(6)).await;
+    assert_eq!(expired.attempt, 1);
+    let ev = event_types(&watch_all(&mut jobs, &job.id, 0, LONG).await);
+    assert_eq!(
+        ev,
+        vec![Ev::Submitted, Ev::Leased, Ev::RetryScheduled, Ev::Expired]
+    );
+    server.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// extra: claim order and kind filter
+// ---------------------------------------------------------------------------
+
+async fn lease_order_and_kind_filter(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+
+    let with = |prio: i32, run_at: Option<chrono::DateTime<Utc>>, kind: &str| {
+        let mut r = submit_req("ord", kind, json!({}));
+        r.priority = prio;
+        r.run_at = run_at.map(ts);
+        r
+    };
+    let p0 = submit_with(&mut jobs, with(0, None, "main")).await.id;
+    let pa = submit_with(&mut jobs, with(1, None, "main")).await.id;
+    let p10 = submit_with(&mut jobs, with(10, None, "main")).await.id;
+    let pb_ = submit_with(&mut jobs, with(1, None, "main")).await.id;
+    let neg = submit_with(&mut jobs, with(-5, None, "main")).await.id;
+    let pc = submit_with(
+        &mut jobs,
+        with(1, Some(Utc::now() - chrono::Duration::hours(1)), "main"),
+    )
+    .await
+    .id;
+    let p5 = submit_with(&mut jobs, with(5, None, "main")).await.id;
+    let future = submit_with(
+        &mut jobs,
+        with(1000, Some(Utc::now() + chrono::Duration::hours(1)), "main"),
+    )
+    .await
+    .id;
+    let other = submit_with(&mut jobs, with(100, None, "other")).await.id;
+
+    let mut order = Vec::new();
+    loop {
+        let got = workers
+            .lease(pb::LeaseRequest {
+                worker_id: "w".into(),
+                queues: vec!["ord".into()],
+                kinds: vec!["main".into()],
+                max_jobs: Some(1),
+                ..Default::default()
+            })
+            .await
+            .expect("Lease")
+            .into_inner()
+            .jobs;
+        match got.as_slice() {
+            [] => break,
+            [one] => order.push(one.job_id.clone()),
+            many => panic!("max_jobs 1 returned {}", many.len()),
+        }
+        assert!(order.len() <= 10, "too many leases");
+    }
+    assert_eq!(
+        order,
+        vec![p10, p5, pc, pa, pb_, p0, neg],
+        "highest priority first, then oldest run_at; kind filter honoured; future run_at waits"
+    );
+    assert!(!order.contains(&future));
+    let rest = lease_now(&mut workers, "w", "ord").await;
+    let rest: Vec<String> = rest.into_iter().map(|l| l.job_id).collect();
+    assert_eq!(
+        rest,
+        vec![other],
+        "without a kind filter the other kind is leased"
+    );
+    server.stop().await;
+}
