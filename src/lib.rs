@@ -9,6 +9,7 @@ pub mod engine;
 pub mod server;
 pub mod store;
 pub mod telemetry;
+pub mod worker;
 
 /// Generated gRPC types and services of `proto/intray/v1/intray.proto`, with
 /// proto3-JSON serde impls.

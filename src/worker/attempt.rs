@@ -1,0 +1,214 @@
+//! One attempt: run the handler, keep its lease alive, stop it when told,
+//! and report the outcome.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tonic::Code;
+
+use super::backoff::Backoff;
+use super::context::{CancelReason, JobContext};
+use super::error::JobError;
+use super::heartbeat;
+use super::job::Job;
+use super::runner::Shared;
+use crate::pb;
+use crate::pb::complete_request::{Failure, Outcome, Success};
+
+/// A single `Complete` call may take this long.
+const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What became of the handler.
+enum Ended {
+    Returned(Result<serde_json::Value, JobError>),
+    Panicked(String),
+    /// It did not return within `cancel_timeout` of its token firing.
+    Abandoned,
+}
+
+/// Runs one leased job to its reported outcome.
+pub(crate) async fn run(shared: &Shared, leased: pb::LeasedJob) {
+    let ctx = JobContext::new(
+        leased.job_id.clone(),
+        leased.attempt,
+        leased.traceparent.clone(),
+    );
+    let ended = match (Job::from_leased(&leased), shared.handlers.get(&leased.kind)) {
+        (Err(error), _) => Ended::Returned(Err(error)),
+        (Ok(_), None) => Ended::Returned(Err(JobError::retryable(
+            "no_handler",
+            format!("this worker has no handler for kind {:?}", leased.kind),
+        ))),
+        (Ok(job), Some(handler)) => {
+            let task = tokio::spawn(handler(job, ctx.clone()));
+            supervise(shared, &leased, &ctx, task).await
+        }
+    };
+    let outcome = match (ctx.cancel_reason(), ended) {
+        (Some(CancelReason::LeaseLost), _) => {
+            // Another worker may hold the job now; anything sent would be
+            // refused with ABORTED anyway.
+            tracing::warn!(job_id = %leased.job_id, "lease lost; the outcome is dropped");
+            return;
+        }
+        (Some(CancelReason::CancelRequested), _) => failure(&JobError::fatal(
+            "cancelled",
+            "the job was cancelled while running",
+        )),
+        // A handler that still succeeded after the shutdown signal did the
+        // work: report it rather than run the job again.
+        (Some(CancelReason::Shutdown), Ended::Returned(Ok(result))) => success(result),
+        (Some(CancelReason::Shutdown), _) => failure(
+            &JobError::retryable(
+                "worker_shutdown",
+                "the worker shut down before the job finished",
+            )
+            .with_retry_after(Duration::ZERO),
+        ),
+        (None, Ended::Returned(Ok(result))) => success(result),
+        (None, Ended::Returned(Err(error))) => failure(&error),
+        (None, Ended::Panicked(message)) => {
+            failure(&JobError::retryable("handler_panicked", message))
+        }
+        // Abandoned only happens after the token fired, so with a reason.
+        (None, Ended::Abandoned) => failure(&JobError::retryable("handler_abandoned", "")),
+    };
+    complete(shared, &leased, outcome, ctx.cost_cents()).await;
+}
+
+/// Waits for the handler while heartbeating; fires its token on shutdown
+/// after the grace period, and gives up on it `cancel_timeout` after the
+/// token fired.
+async fn supervise(
+    shared: &Shared,
+    leased: &pb::LeasedJob,
+    ctx: &JobContext,
+    mut task: tokio::task::JoinHandle<Result<serde_json::Value, JobError>>,
+) -> Ended {
+    let keep_alive = heartbeat::keep_alive(shared, leased, ctx);
+    tokio::pin!(keep_alive);
+    let mut heartbeating = true;
+    let mut give_up_at: Option<Instant> = None;
+    loop {
+        if ctx.is_cancelled() && give_up_at.is_none() {
+            give_up_at = Some(Instant::now() + shared.config.cancel_timeout);
+        }
+        let give_up = async {
+            match give_up_at {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            joined = &mut task => return match joined {
+                Ok(result) => Ended::Returned(result),
+                Err(e) if e.is_panic() => Ended::Panicked(panic_message(e.into_panic())),
+                Err(_) => Ended::Abandoned,
+            },
+            () = &mut keep_alive, if heartbeating => heartbeating = false,
+            () = shared.hard_stop.cancelled(), if !ctx.is_cancelled() => {
+                ctx.cancel(CancelReason::Shutdown);
+            }
+            () = give_up => {
+                tracing::warn!(job_id = %leased.job_id, "handler did not stop after its token fired; aborting it");
+                task.abort();
+                return Ended::Abandoned;
+            }
+        }
+    }
+}
+
+fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
+    let text = payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "no message".into());
+    format!("the handler panicked: {text}")
+}
+
+fn success(result: serde_json::Value) -> Outcome {
+    match serde_json::from_value::<pbjson_types::Value>(result) {
+        Ok(value) => Outcome::Success(Success {
+            result: Some(value),
+        }),
+        Err(e) => failure(&JobError::fatal(
+            "invalid_result",
+            format!("the result cannot be sent: {e}"),
+        )),
+    }
+}
+
+fn failure(error: &JobError) -> Outcome {
+    let mut class = error.class.trim().to_owned();
+    if class.is_empty() {
+        class = "error".into();
+    }
+    // The server takes 1..=128 characters; a longer class is a handler bug
+    // that should not cost the job its outcome.
+    if let Some((cut, _)) = class.char_indices().nth(128) {
+        class.truncate(cut);
+    }
+    Outcome::Failure(Failure {
+        error_class: class,
+        message: error.message.clone(),
+        retryable: Some(error.retryable),
+        retry_after: error.retry_after.map(Into::into),
+    })
+}
+
+/// Sends the outcome; retries while the server is unavailable, for up to a
+/// lease (after that the lease is likely gone). A success the server refuses
+/// as invalid (a result over the size limit) is reported as a final failure
+/// of class `invalid_result`, so the job does not wait out its lease.
+async fn complete(shared: &Shared, leased: &pb::LeasedJob, outcome: Outcome, cost_cents: i64) {
+    let give_up = Instant::now() + shared.config.lease_duration;
+    let mut retry = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+    let mut outcome = outcome;
+    loop {
+        let mut request = tonic::Request::new(pb::CompleteRequest {
+            job_id: leased.job_id.clone(),
+            lease_token: leased.lease_token.clone(),
+            outcome: Some(outcome.clone()),
+            cost_cents,
+        });
+        request.set_timeout(CALL_TIMEOUT);
+        let mut client = shared.client.clone();
+        let status = match client.complete(request).await {
+            Ok(_) => {
+                tracing::debug!(job_id = %leased.job_id, "outcome reported");
+                return;
+            }
+            Err(status) => status,
+        };
+        match status.code() {
+            Code::Aborted | Code::NotFound => {
+                tracing::warn!(job_id = %leased.job_id, message = status.message(), "lease lost before the outcome was reported; it is dropped");
+                return;
+            }
+            Code::InvalidArgument if matches!(outcome, Outcome::Success(_)) => {
+                tracing::warn!(job_id = %leased.job_id, message = status.message(), "the server refused the result");
+                outcome = failure(&JobError::fatal(
+                    "invalid_result",
+                    format!("the server refused the result: {}", status.message()),
+                ));
+            }
+            Code::Unavailable
+            | Code::Unknown
+            | Code::DeadlineExceeded
+            | Code::Internal
+            | Code::ResourceExhausted
+            | Code::Cancelled
+                if Instant::now() < give_up =>
+            {
+                let delay = retry.next_delay();
+                tracing::warn!(job_id = %leased.job_id, code = ?status.code(), message = status.message(), retry_in = ?delay, "complete failed; retrying");
+                tokio::time::sleep(delay).await;
+            }
+            _ => {
+                tracing::error!(job_id = %leased.job_id, code = ?status.code(), message = status.message(), "could not report the outcome; the lease will expire and the job run again");
+                return;
+            }
+        }
+    }
+}

@@ -1,0 +1,186 @@
+//! What a handler gets besides the job: cancellation, progress and cost.
+
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+/// Why a handler's cancellation token fired.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CancelReason {
+    /// Someone cancelled the job; whatever the handler returns is discarded.
+    CancelRequested,
+    /// The lease is gone (expired and reclaimed, or the job ended): another
+    /// worker may already run the job, so stop and write nothing more.
+    LeaseLost,
+    /// The worker is shutting down and the drain grace period has passed.
+    Shutdown,
+}
+
+/// The handler's view of its attempt. Cheap to clone.
+///
+/// Handlers doing long work should select on [`JobContext::cancelled`] (or
+/// hand [`JobContext::cancellation_token`] to their HTTP client) and return
+/// soon after it fires; the worker completes the attempt accordingly.
+#[derive(Clone, Debug)]
+pub struct JobContext {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    job_id: String,
+    attempt: u32,
+    traceparent: String,
+    token: CancellationToken,
+    reason: OnceLock<CancelReason>,
+    /// Latest progress not yet sent; only the newest matters.
+    progress: Mutex<Option<(f64, String)>>,
+    /// Wakes the heartbeat loop so progress is sent now, not a third of a
+    /// lease later.
+    progress_reported: Notify,
+    cost_cents: AtomicI64,
+}
+
+impl JobContext {
+    pub(crate) fn new(job_id: String, attempt: u32, traceparent: String) -> Self {
+        JobContext {
+            inner: Arc::new(Inner {
+                job_id,
+                attempt,
+                traceparent,
+                token: CancellationToken::new(),
+                reason: OnceLock::new(),
+                progress: Mutex::new(None),
+                progress_reported: Notify::new(),
+                cost_cents: AtomicI64::new(0),
+            }),
+        }
+    }
+
+    /// The job's id.
+    pub fn job_id(&self) -> &str {
+        &self.inner.job_id
+    }
+
+    /// The attempt number, from 1.
+    pub fn attempt(&self) -> u32 {
+        self.inner.attempt
+    }
+
+    /// The W3C `traceparent` of the attempt, to continue the producer's
+    /// trace; `None` while the server sends none.
+    pub fn traceparent(&self) -> Option<&str> {
+        Some(self.inner.traceparent.as_str()).filter(|t| !t.is_empty())
+    }
+
+    /// A token fired when the handler must stop: see [`CancelReason`].
+    pub fn cancellation_token(&self) -> CancellationToken {
+        self.inner.token.clone()
+    }
+
+    /// Completes once the handler must stop.
+    pub async fn cancelled(&self) {
+        self.inner.token.cancelled().await;
+    }
+
+    /// Whether the handler must stop.
+    pub fn is_cancelled(&self) -> bool {
+        self.inner.token.is_cancelled()
+    }
+
+    /// Why the token fired, once it has.
+    pub fn cancel_reason(&self) -> Option<CancelReason> {
+        self.inner.reason.get().copied()
+    }
+
+    /// Reports progress (clamped to 0..=1) with a short message; it is sent
+    /// with a heartbeat right away and shows on the job and in its events.
+    pub fn report_progress(&self, fraction: f64, message: impl Into<String>) {
+        let fraction = if fraction.is_nan() {
+            0.0
+        } else {
+            fraction.clamp(0.0, 1.0)
+        };
+        let mut message: String = message.into();
+        // The server takes up to 1024 characters.
+        if let Some((cut, _)) = message.char_indices().nth(1024) {
+            message.truncate(cut);
+        }
+        *self
+            .inner
+            .progress
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some((fraction, message));
+        self.inner.progress_reported.notify_one();
+    }
+
+    /// Adds to the attempt's cost, reported with its outcome (the server
+    /// sums it over attempts).
+    pub fn add_cost(&self, cents: i64) {
+        self.inner.cost_cents.fetch_add(cents, Ordering::Relaxed);
+    }
+
+    /// The cost reported so far in this attempt.
+    pub fn cost_cents(&self) -> i64 {
+        self.inner.cost_cents.load(Ordering::Relaxed)
+    }
+
+    /// Fires the token; the first reason given is the one kept.
+    pub(crate) fn cancel(&self, reason: CancelReason) {
+        let _ = self.inner.reason.set(reason);
+        self.inner.token.cancel();
+    }
+
+    pub(crate) fn take_progress(&self) -> Option<(f64, String)> {
+        self.inner
+            .progress
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+    }
+
+    pub(crate) async fn progress_reported(&self) {
+        self.inner.progress_reported.notified().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_cancel_reason_wins() {
+        let ctx = JobContext::new("j".into(), 1, String::new());
+        assert!(!ctx.is_cancelled());
+        assert_eq!(ctx.cancel_reason(), None);
+        ctx.cancel(CancelReason::CancelRequested);
+        ctx.cancel(CancelReason::Shutdown);
+        assert!(ctx.cancellation_token().is_cancelled());
+        assert_eq!(ctx.cancel_reason(), Some(CancelReason::CancelRequested));
+    }
+
+    #[test]
+    fn progress_is_clamped_and_only_the_latest_is_sent() {
+        let ctx = JobContext::new("j".into(), 1, String::new());
+        ctx.report_progress(0.2, "a");
+        ctx.report_progress(7.0, "b");
+        assert_eq!(ctx.take_progress(), Some((1.0, "b".into())));
+        assert_eq!(ctx.take_progress(), None);
+        ctx.report_progress(f64::NAN, "x".repeat(2000));
+        let (p, m) = ctx.take_progress().unwrap_or_default();
+        assert_eq!((p, m.len()), (0.0, 1024));
+    }
+
+    #[test]
+    fn cost_adds_up_and_empty_traceparent_is_none() {
+        let ctx = JobContext::new("j".into(), 2, String::new());
+        ctx.add_cost(3);
+        ctx.add_cost(4);
+        assert_eq!(ctx.cost_cents(), 7);
+        assert_eq!(ctx.traceparent(), None);
+        let ctx = JobContext::new("j".into(), 2, "00-ab-cd-01".into());
+        assert_eq!(ctx.traceparent(), Some("00-ab-cd-01"));
+    }
+}

@@ -1,0 +1,80 @@
+//! Keeping a lease alive while its handler runs, and learning from the
+//! answers that the job was cancelled or the lease is gone.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tonic::Code;
+
+use super::backoff::Backoff;
+use super::context::{CancelReason, JobContext};
+use super::runner::Shared;
+use crate::pb;
+
+/// Progress reports closer together than this share one heartbeat.
+const MIN_SPACING: Duration = Duration::from_millis(200);
+/// A single heartbeat call may take this long.
+const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Heartbeats every `heartbeat_interval` (and at once when progress is
+/// reported) until the lease is lost, then fires the context's token with
+/// [`CancelReason::LeaseLost`] and returns. A cancel request fires the token
+/// too, but heartbeating goes on: the server answers `ABORTED` once it has
+/// revoked the lease, which ends the loop.
+///
+/// The lease also counts as lost when no heartbeat has succeeded for a whole
+/// lease: the server may have handed the job to someone else by then.
+pub(crate) async fn keep_alive(shared: &Shared, leased: &pb::LeasedJob, ctx: &JobContext) {
+    let config = &shared.config;
+    let mut held_until = Instant::now() + config.lease_duration;
+    let mut next = Instant::now() + config.heartbeat_interval;
+    let mut last_sent = Instant::now();
+    let mut retry = Backoff::new(Duration::from_millis(200), config.heartbeat_interval);
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep_until(next) => {}
+            () = ctx.progress_reported() => {
+                tokio::time::sleep_until(last_sent + MIN_SPACING).await;
+            }
+        }
+        let progress = ctx.take_progress();
+        let mut request = tonic::Request::new(pb::HeartbeatRequest {
+            job_id: leased.job_id.clone(),
+            lease_token: leased.lease_token.clone(),
+            extend_by: None,
+            progress: progress.as_ref().map(|(p, _)| *p),
+            message: progress.map(|(_, m)| m).unwrap_or_default(),
+        });
+        request.set_timeout(CALL_TIMEOUT);
+        let sent_at = Instant::now();
+        last_sent = sent_at;
+        let mut client = shared.client.clone();
+        match client.heartbeat(request).await {
+            Ok(response) => {
+                retry.reset();
+                held_until = sent_at + config.lease_duration;
+                next = Instant::now() + config.heartbeat_interval;
+                if response.into_inner().cancel_requested && !ctx.is_cancelled() {
+                    tracing::info!(job_id = %leased.job_id, "job cancelled; stopping its handler");
+                    ctx.cancel(CancelReason::CancelRequested);
+                }
+            }
+            Err(status) if matches!(status.code(), Code::Aborted | Code::NotFound) => {
+                tracing::warn!(job_id = %leased.job_id, message = status.message(), "lease lost; stopping its handler");
+                ctx.cancel(CancelReason::LeaseLost);
+                return;
+            }
+            Err(status) => {
+                let now = Instant::now();
+                if now >= held_until {
+                    tracing::warn!(job_id = %leased.job_id, code = ?status.code(), "no heartbeat got through for a whole lease; treating it as lost");
+                    ctx.cancel(CancelReason::LeaseLost);
+                    return;
+                }
+                let delay = retry.next_delay();
+                tracing::warn!(job_id = %leased.job_id, code = ?status.code(), message = status.message(), retry_in = ?delay, "heartbeat failed");
+                next = (now + delay).min(held_until);
+            }
+        }
+    }
+}

@@ -1,0 +1,199 @@
+//! The lease loop: ask for as many jobs as there are free slots, hand each to
+//! an attempt, back off while the server is away, and drain on shutdown.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tonic::Code;
+
+use super::attempt;
+use super::backoff::Backoff;
+use super::builder::{Config, Handlers, MAX_LEASE_BATCH, WorkerBuilder};
+use super::connection::Client;
+use super::error::WorkerError;
+use crate::pb;
+
+/// Extra time past the long-poll wait before a `Lease` call counts as lost.
+const LEASE_CALL_SLACK: Duration = Duration::from_secs(10);
+
+/// A configured worker; [`Worker::run`] runs it until shutdown.
+pub struct Worker {
+    shared: Arc<Shared>,
+}
+
+/// What the lease loop and every attempt share.
+pub(crate) struct Shared {
+    pub client: Client,
+    pub config: Config,
+    pub handlers: Handlers,
+    /// Fired when the drain grace period is over: running handlers must stop.
+    pub hard_stop: CancellationToken,
+}
+
+impl Worker {
+    /// Starts building a worker for the server at `addr` (`host:port` or a
+    /// `http://` / `https://` URI).
+    pub fn builder(addr: &str) -> WorkerBuilder {
+        WorkerBuilder::new(addr)
+    }
+
+    pub(crate) fn new(client: Client, config: Config, handlers: Handlers) -> Self {
+        Worker {
+            shared: Arc::new(Shared {
+                client,
+                config,
+                handlers,
+                hard_stop: CancellationToken::new(),
+            }),
+        }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn config(&self) -> &Config {
+        &self.shared.config
+    }
+
+    /// The worker id sent with `Lease`.
+    pub fn worker_id(&self) -> &str {
+        &self.shared.config.worker_id
+    }
+
+    /// Leases and runs jobs until `shutdown` completes, then drains: no more
+    /// leases, running jobs get the grace period to finish; after it their
+    /// tokens fire ([`CancelReason::Shutdown`](super::CancelReason::Shutdown))
+    /// and whatever has not succeeded is handed back as a retryable failure
+    /// of class `worker_shutdown`, to run again at once elsewhere.
+    ///
+    /// Returns an error only when the server refuses the worker itself
+    /// (`INVALID_ARGUMENT`, `UNAUTHENTICATED`, `PERMISSION_DENIED`,
+    /// `UNIMPLEMENTED` on `Lease`), after draining the running jobs; an
+    /// unreachable or unavailable server is retried with backoff forever.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), WorkerError> {
+        let shared = self.shared;
+        let slots = Arc::new(Semaphore::new(shared.config.concurrency));
+        let mut attempts = JoinSet::new();
+        let mut reconnect =
+            Backoff::new(shared.config.reconnect_initial, shared.config.reconnect_max);
+        tokio::pin!(shutdown);
+        tracing::info!(
+            worker_id = %shared.config.worker_id,
+            queues = ?shared.config.queues,
+            kinds = ?shared.config.kinds,
+            concurrency = shared.config.concurrency,
+            "worker started"
+        );
+        let outcome = loop {
+            // Forget finished attempts so the set does not grow forever.
+            while attempts.try_join_next().is_some() {}
+            let first = tokio::select! {
+                permit = slots.clone().acquire_owned() => match permit {
+                    Ok(permit) => permit,
+                    Err(_) => break Ok(()),
+                },
+                () = &mut shutdown => break Ok(()),
+            };
+            let mut permits = vec![first];
+            while permits.len() < MAX_LEASE_BATCH {
+                match slots.clone().try_acquire_owned() {
+                    Ok(permit) => permits.push(permit),
+                    Err(_) => break,
+                }
+            }
+            let response = tokio::select! {
+                response = lease(&shared, permits.len()) => response,
+                // Dropping the call resets its stream; the server drops its
+                // waiting handler, which claims nothing while it waits.
+                () = &mut shutdown => break Ok(()),
+            };
+            match response {
+                Ok(jobs) => {
+                    reconnect.reset();
+                    for (leased, permit) in jobs.into_iter().zip(permits.drain(..)) {
+                        attempts.spawn(run_one(shared.clone(), leased, permit));
+                    }
+                }
+                Err(status) if refuses_worker(status.code()) => {
+                    tracing::error!(code = ?status.code(), message = status.message(), "the server refused the worker");
+                    break Err(WorkerError::Refused(Box::new(status)));
+                }
+                Err(status) => {
+                    let delay = reconnect.next_delay();
+                    tracing::warn!(
+                        code = ?status.code(),
+                        message = status.message(),
+                        failures = reconnect.failures(),
+                        retry_in = ?delay,
+                        "lease failed; retrying"
+                    );
+                    drop(permits);
+                    tokio::select! {
+                        () = tokio::time::sleep(delay) => {}
+                        () = &mut shutdown => break Ok(()),
+                    }
+                }
+            }
+        };
+        drain(&shared, &mut attempts).await;
+        outcome
+    }
+}
+
+/// One `Lease` call for up to `max_jobs`, long-polling.
+async fn lease(shared: &Shared, max_jobs: usize) -> Result<Vec<pb::LeasedJob>, tonic::Status> {
+    let config = &shared.config;
+    let mut request = tonic::Request::new(pb::LeaseRequest {
+        worker_id: config.worker_id.clone(),
+        queues: config.queues.clone(),
+        kinds: config.kinds.clone(),
+        max_jobs: Some(u32::try_from(max_jobs).unwrap_or(1)),
+        lease_duration: Some(config.lease_duration.into()),
+        wait: Some(config.poll_wait.into()),
+    });
+    request.set_timeout(config.poll_wait + LEASE_CALL_SLACK);
+    let mut client = shared.client.clone();
+    Ok(client.lease(request).await?.into_inner().jobs)
+}
+
+/// Statuses on `Lease` that no retry can fix: the worker is misconfigured.
+fn refuses_worker(code: Code) -> bool {
+    matches!(
+        code,
+        Code::InvalidArgument
+            | Code::Unauthenticated
+            | Code::PermissionDenied
+            | Code::Unimplemented
+    )
+}
+
+async fn run_one(shared: Arc<Shared>, leased: pb::LeasedJob, permit: OwnedSemaphorePermit) {
+    attempt::run(&shared, leased).await;
+    // The slot frees only once the outcome is reported, so the worker never
+    // holds more leases than its concurrency.
+    drop(permit);
+}
+
+/// Waits for running attempts; after the grace period tells them to stop.
+async fn drain(shared: &Shared, attempts: &mut JoinSet<()>) {
+    if attempts.is_empty() {
+        tracing::info!("worker stopped");
+        return;
+    }
+    tracing::info!(running = attempts.len(), grace = ?shared.config.grace, "draining");
+    let all_done = async { while attempts.join_next().await.is_some() {} };
+    if tokio::time::timeout(shared.config.grace, all_done)
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            running = attempts.len(),
+            "grace period over; stopping running jobs"
+        );
+        shared.hard_stop.cancel();
+        while attempts.join_next().await.is_some() {}
+    }
+    tracing::info!("worker stopped");
+}

@@ -1,0 +1,412 @@
+//! The Rust worker library (`intray::worker`) against the real server, on
+//! SQLite and PostgreSQL: success, retries, cancellation, lost leases,
+//! draining, and a server that is not there.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use intray::pb::{self, JobState as St};
+use intray::worker::{CancelReason, Job, JobContext, JobError, Worker, WorkerBuilder, WorkerError};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+common::backend_tests!(
+    handler_success,
+    error_then_retry,
+    cancellation_reaches_handler_within_one_heartbeat,
+    lost_lease_fires_token,
+    drain_finishes_running_jobs_and_leases_no_more,
+    drain_hands_back_jobs_that_overrun_the_grace,
+    refused_worker_stops_with_an_error,
+);
+
+const TENANT: &str = "acme";
+const LONG: Duration = Duration::from_secs(15);
+
+/// A running worker and the switch that stops it.
+struct Running {
+    stop: CancellationToken,
+    task: JoinHandle<Result<(), WorkerError>>,
+}
+
+impl Running {
+    fn start(builder: WorkerBuilder) -> Running {
+        let worker = builder.build().expect("worker settings are valid");
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(worker.run(stop.clone().cancelled_owned()));
+        Running { stop, task }
+    }
+
+    /// Asks the worker to stop and waits for it, at most `within`.
+    async fn stop(self, within: Duration) -> Result<(), WorkerError> {
+        self.stop.cancel();
+        within_time(within, "worker drain", self.task)
+            .await
+            .expect("worker task did not panic")
+    }
+}
+
+async fn within_time<T>(d: Duration, what: &str, fut: impl std::future::Future<Output = T>) -> T {
+    common::within(d, what, fut).await
+}
+
+fn builder(server: &TestServer) -> WorkerBuilder {
+    Worker::builder(&server.url())
+        .tenant(TENANT)
+        .worker_id("lib-worker")
+        .poll_wait(Duration::from_secs(2))
+}
+
+fn error_class(job: &pb::Job) -> String {
+    job.error
+        .as_ref()
+        .map(|e| e.class.clone())
+        .unwrap_or_default()
+}
+
+async fn echo(job: Job, ctx: JobContext) -> Result<Value, JobError> {
+    ctx.report_progress(0.5, "halfway");
+    ctx.add_cost(5);
+    // Long enough for the progress heartbeat to land before the outcome.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    Ok(json!({"echo": job.payload, "attempt": job.attempt, "kind": job.kind}))
+}
+
+// ---------------------------------------------------------------------------
+
+async fn handler_success(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let worker = Running::start(
+        builder(&server)
+            .queue("q")
+            .concurrency(2)
+            .handler("echo", echo),
+    );
+
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        ids.push(submit(&mut jobs, "q", "echo", json!({"n": i})).await.id);
+    }
+    // A job of a kind the worker has no handler for is never leased.
+    let other = submit(&mut jobs, "q", "other", json!({})).await;
+
+    for (i, id) in ids.iter().enumerate() {
+        let job = wait_for_state(&mut jobs, id, St::Succeeded, LONG).await;
+        let result = job.result.as_ref().map(value_to_json);
+        assert_eq!(
+            result,
+            Some(json!({"echo": {"n": i as f64}, "attempt": 1.0, "kind": "echo"})),
+            "the handler's value is the result"
+        );
+        assert_eq!(job.cost_cents, 5, "cost reported with the outcome");
+        assert_eq!(job.progress, 0.5, "progress reported by a heartbeat");
+        assert_eq!(job.lease_owner, "", "lease released");
+    }
+    let events = watch_all(&mut jobs, &ids[0], 0, LONG).await;
+    assert!(
+        events
+            .iter()
+            .any(|e| e.r#type == pb::JobEventType::Progress as i32),
+        "a PROGRESS event was written: {:?}",
+        event_types(&events)
+    );
+    assert!(events.iter().any(|e| e.worker_id == "lib-worker"));
+    assert_eq!(state(&get(&mut jobs, &other.id).await), St::Queued);
+
+    worker.stop(LONG).await.expect("worker stops cleanly");
+    server.stop().await;
+}
+
+async fn error_then_retry(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let worker = Running::start(
+        builder(&server)
+            .queue("q")
+            .handler("flaky", |job: Job, _ctx: JobContext| async move {
+                if job.attempt == 1 {
+                    Err(JobError::retryable("rate_limited", "429 from the provider")
+                        .with_retry_after(Duration::from_millis(100)))
+                } else {
+                    Ok(json!("second time lucky"))
+                }
+            })
+            .handler("broken", |_job: Job, _ctx: JobContext| async move {
+                Err(JobError::fatal("bad_input", "the document is empty"))
+            })
+            .handler("panics", |job: Job, _ctx: JobContext| async move {
+                if job.attempt == 1 {
+                    panic!("handler bug");
+                }
+                Ok(Value::Null)
+            }),
+    );
+
+    let flaky = submit(&mut jobs, "q", "flaky", json!({})).await;
+    let broken = submit(&mut jobs, "q", "broken", json!({})).await;
+    let panics = submit(&mut jobs, "q", "panics", json!({})).await;
+
+    let job = wait_for_state(&mut jobs, &flaky.id, St::Succeeded, LONG).await;
+    assert_eq!(job.attempt, 2, "the retryable failure was retried");
+    assert_eq!(
+        job.result.as_ref().map(value_to_json),
+        Some(json!("second time lucky"))
+    );
+    let events = watch_all(&mut jobs, &flaky.id, 0, LONG).await;
+    assert!(
+        events
+            .iter()
+            .any(|e| e.r#type == pb::JobEventType::RetryScheduled as i32),
+        "{:?}",
+        event_types(&events)
+    );
+
+    let job = wait_for_state(&mut jobs, &broken.id, St::Failed, LONG).await;
+    assert_eq!(job.attempt, 1, "a final error is not retried");
+    assert_eq!(error_class(&job), "bad_input");
+    assert_eq!(
+        job.error.map(|e| e.message).as_deref(),
+        Some("the document is empty")
+    );
+
+    let job = wait_for_state(&mut jobs, &panics.id, St::Succeeded, LONG).await;
+    assert_eq!(job.attempt, 2, "a panic is a retryable failure");
+
+    worker.stop(LONG).await.expect("worker stops cleanly");
+    server.stop().await;
+}
+
+/// Sends the reason and the time its token fired, then returns.
+fn reporting_handler(
+    tx: mpsc::UnboundedSender<(Option<CancelReason>, Instant)>,
+) -> impl Fn(Job, JobContext) -> futures::future::BoxFuture<'static, Result<Value, JobError>>
++ Send
++ Sync
++ 'static {
+    move |_job, ctx| {
+        let tx = tx.clone();
+        Box::pin(async move {
+            ctx.cancelled().await;
+            let _ = tx.send((ctx.cancel_reason(), Instant::now()));
+            Err(JobError::retryable("stopped", "token fired"))
+        })
+    }
+}
+
+async fn cancellation_reaches_handler_within_one_heartbeat(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    // 3 s lease: a heartbeat every second.
+    let worker = Running::start(
+        builder(&server)
+            .queue("q")
+            .lease_duration(Duration::from_secs(3))
+            .handler("wait", reporting_handler(tx)),
+    );
+    let job = submit(&mut jobs, "q", "wait", json!({})).await;
+    wait_for_state(&mut jobs, &job.id, St::Running, LONG).await;
+
+    let cancelled_at = Instant::now();
+    jobs.cancel(pb::CancelJobRequest {
+        id: job.id.clone(),
+        reason: "test".into(),
+    })
+    .await
+    .expect("Cancel");
+    let (reason, fired_at) = within_time(LONG, "the handler's token", rx.recv())
+        .await
+        .expect("the handler reported");
+    assert_eq!(reason, Some(CancelReason::CancelRequested));
+    let took = fired_at.duration_since(cancelled_at);
+    assert!(
+        took <= Duration::from_millis(1000 + 700),
+        "the cancel reached the handler in {took:?}, more than one heartbeat (1 s)"
+    );
+    // The worker reports back at once, long before the 30 s cancel grace.
+    let done = wait_for_state(&mut jobs, &job.id, St::Cancelled, Duration::from_secs(5)).await;
+    assert_eq!(done.attempt, 1);
+
+    worker.stop(LONG).await.expect("worker stops cleanly");
+    server.stop().await;
+}
+
+async fn lost_lease_fires_token(backend: Backend) {
+    let server = TestServer::start_with(backend, |s| {
+        s.reaper_interval = Duration::from_millis(100);
+    })
+    .await;
+    let mut jobs = server.jobs_client(TENANT);
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    // Heartbeats less often than the lease lasts: the reaper takes it back.
+    let worker = Running::start(
+        builder(&server)
+            .queue("q")
+            .lease_duration(Duration::from_secs(1))
+            .heartbeat_interval(Duration::from_secs(3))
+            .handler("wait", reporting_handler(tx)),
+    );
+    let mut request = submit_req("q", "wait", json!({}));
+    request.max_attempts = Some(1);
+    let job = submit_with(&mut jobs, request).await;
+
+    let (reason, _) = within_time(LONG, "the handler's token", rx.recv())
+        .await
+        .expect("the handler reported");
+    assert_eq!(reason, Some(CancelReason::LeaseLost));
+    let done = wait_for_state(&mut jobs, &job.id, St::Failed, LONG).await;
+    assert_eq!(
+        error_class(&done),
+        "lease_expired",
+        "the reaper's outcome stands: the worker wrote nothing after losing the lease"
+    );
+
+    worker.stop(LONG).await.expect("worker stops cleanly");
+    server.stop().await;
+}
+
+async fn drain_finishes_running_jobs_and_leases_no_more(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let started = Arc::new(tokio::sync::Semaphore::new(0));
+    let seen = started.clone();
+    let worker = Running::start(
+        builder(&server)
+            .queue("q")
+            .concurrency(3)
+            .grace(Duration::from_secs(10))
+            .handler("slow", move |job: Job, ctx: JobContext| {
+                let seen = seen.clone();
+                async move {
+                    seen.add_permits(1);
+                    // Work that ignores the token: only the grace saves it.
+                    tokio::time::sleep(Duration::from_millis(1500)).await;
+                    Ok(json!({"done": job.id, "cancelled": ctx.is_cancelled()}))
+                }
+            }),
+    );
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        ids.push(submit(&mut jobs, "q", "slow", json!({"n": i})).await.id);
+    }
+    within_time(LONG, "three handlers starting", started.acquire_many(3))
+        .await
+        .expect("semaphore open")
+        .forget();
+
+    worker.stop.cancel();
+    // Submitted after the shutdown signal: must stay queued.
+    let late = submit(&mut jobs, "q", "slow", json!({"late": true})).await;
+    within_time(LONG, "worker drain", worker.task)
+        .await
+        .expect("worker task did not panic")
+        .expect("worker stops cleanly");
+
+    for id in &ids {
+        let job = get(&mut jobs, id).await;
+        assert_eq!(
+            state(&job),
+            St::Succeeded,
+            "in-flight job {id} finished during the drain"
+        );
+        assert_eq!(job.attempt, 1);
+        assert_eq!(
+            job.result.as_ref().map(value_to_json),
+            Some(json!({"done": id, "cancelled": false}))
+        );
+    }
+    let late = get(&mut jobs, &late.id).await;
+    assert_eq!(state(&late), St::Queued, "nothing is leased after shutdown");
+    assert_eq!(late.attempt, 0);
+    server.stop().await;
+}
+
+async fn drain_hands_back_jobs_that_overrun_the_grace(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let worker = Running::start(
+        builder(&server)
+            .queue("q")
+            .grace(Duration::from_millis(300))
+            .cancel_timeout(Duration::from_millis(300))
+            .handler("stuck", move |_job: Job, ctx: JobContext| {
+                let tx = tx.clone();
+                async move {
+                    let _ = tx.send(());
+                    // Ignores its token entirely: it has to be dropped.
+                    tokio::time::sleep(Duration::from_secs(600)).await;
+                    Ok(json!({"finished": ctx.is_cancelled()}))
+                }
+            }),
+    );
+    let job = submit(&mut jobs, "q", "stuck", json!({})).await;
+    within_time(LONG, "the handler starting", rx.recv()).await;
+
+    let stopping = Instant::now();
+    worker.stop(LONG).await.expect("worker stops cleanly");
+    assert!(
+        stopping.elapsed() < Duration::from_secs(5),
+        "grace plus cancel timeout bound the drain, took {:?}",
+        stopping.elapsed()
+    );
+    let back = get(&mut jobs, &job.id).await;
+    assert_eq!(state(&back), St::Queued, "handed back, not lost");
+    assert_eq!(error_class(&back), "worker_shutdown");
+    // No retry delay: the next worker can take it at once.
+    let mut workers = server.workers_client(TENANT);
+    let leased = lease_now(&mut workers, "next", "q").await;
+    assert_eq!(leased.len(), 1, "runnable again right away");
+    assert_eq!(leased[0].attempt, 2);
+    server.stop().await;
+}
+
+async fn refused_worker_stops_with_an_error(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let worker = Running::start(builder(&server).queue("not a valid queue").handler(
+        "x",
+        |_job: Job, _ctx: JobContext| async move { Ok(Value::Null) },
+    ));
+    let result = within_time(LONG, "refused worker", worker.task)
+        .await
+        .expect("worker task did not panic");
+    match result {
+        Err(WorkerError::Refused(status)) => {
+            assert_eq!(status.code(), tonic::Code::InvalidArgument)
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    server.stop().await;
+}
+
+/// Nothing listens: the worker keeps retrying (it does not give up or spin)
+/// and still stops at once when asked.
+#[tokio::test]
+async fn unreachable_server_is_retried_until_shutdown() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("address");
+    drop(listener);
+    let worker = Running::start(
+        Worker::builder(&format!("http://{addr}"))
+            .queue("q")
+            .reconnect_backoff(Duration::from_millis(50), Duration::from_millis(200))
+            .handler(
+                "x",
+                |_job: Job, _ctx: JobContext| async move { Ok(Value::Null) },
+            ),
+    );
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(!worker.task.is_finished(), "the worker keeps retrying");
+    let stopping = Instant::now();
+    worker
+        .stop(Duration::from_secs(5))
+        .await
+        .expect("clean stop");
+    assert!(stopping.elapsed() < Duration::from_secs(1));
+}
