@@ -92,6 +92,13 @@ pub enum ClientCommand {
     Retry(RetryArgs),
     /// Print job counts per queue and the workers seen in the last five minutes.
     Stats(StatsArgs),
+    /// Run a command for each job of a queue: a worker in any language.
+    ///
+    /// The payload JSON is on the command's stdin, its stdout is the result,
+    /// exit 0 succeeds, 75 is a retryable failure and any other code a final
+    /// one. Runs until SIGINT or SIGTERM, then drains.
+    #[command(after_help = "Example:\n  intray work --queue default --kind resize --concurrency 4 -- ./resize.sh")]
+    Work(super::work::WorkArgs),
 }
 
 /// Arguments of `intray submit`.

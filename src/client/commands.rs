@@ -53,6 +53,7 @@ async fn execute(opts: ClientOpts, cmd: ClientCommand) -> Result<(), ClientError
     let tenant = tenant_metadata(opts.tenant.as_deref())?;
     let json = opts.json;
     match cmd {
+        ClientCommand::Work(args) => super::work::run(&opts, args).await,
         ClientCommand::Submit(args) => submit(&opts, tenant, json, *args).await,
         ClientCommand::Get(GetArgs { id }) => {
             let mut session = Session::connect(&opts, tenant).await?;

@@ -48,6 +48,7 @@ mod args;
 mod commands;
 mod error;
 mod print;
+mod work;
 
 pub use args::{
     CancelArgs, ClientCommand, ClientOpts, GetArgs, ListArgs, RetryArgs, RetryStateArg, StateArg,
@@ -55,3 +56,4 @@ pub use args::{
 };
 pub use commands::{TENANT_METADATA, run};
 pub use error::ClientError;
+pub use work::WorkArgs;

@@ -178,6 +178,7 @@ async fn run_one(shared: Arc<Shared>, leased: pb::LeasedJob, permit: OwnedSemaph
 
 /// Waits for running attempts; after the grace period tells them to stop.
 async fn drain(shared: &Shared, attempts: &mut JoinSet<()>) {
+    while attempts.try_join_next().is_some() {}
     if attempts.is_empty() {
         tracing::info!("worker stopped");
         return;

@@ -1,0 +1,314 @@
+//! Runs one job as a child process: payload on stdin, result on stdout, the
+//! exit code as the outcome, and SIGTERM then SIGKILL when the job must stop.
+
+use std::os::unix::process::ExitStatusExt;
+use std::process::{ExitStatus, Stdio};
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use serde_json::Value;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::process::{Child, Command};
+
+use crate::worker::{Job, JobContext, JobError};
+
+/// `EX_TEMPFAIL` from sysexits.h: "try again later".
+pub const EXIT_RETRYABLE: i32 = 75;
+/// How much of stderr ends up in a failure's message.
+const STDERR_TAIL_BYTES: usize = 2048;
+
+/// The command every job runs, and its limits.
+#[derive(Clone, Debug)]
+pub struct CommandSpec {
+    /// Program, then its arguments.
+    pub program: String,
+    /// Arguments after the program.
+    pub args: Vec<String>,
+    /// Time between SIGTERM and SIGKILL.
+    pub kill_after: Duration,
+    /// Largest result, in bytes of stdout and of serialised JSON.
+    pub max_result_bytes: usize,
+}
+
+/// What the child wrote to stdout: the first `limit` bytes and the total.
+struct Captured {
+    bytes: Vec<u8>,
+    total: usize,
+}
+
+impl CommandSpec {
+    /// Runs the command for `job` and maps its exit to an outcome.
+    pub async fn run(&self, job: Job, ctx: JobContext) -> Result<Value, JobError> {
+        let mut command = Command::new(&self.program);
+        command
+            .args(&self.args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .env("INTRAY_JOB_ID", &job.id)
+            .env("INTRAY_ATTEMPT", job.attempt.to_string())
+            .env("INTRAY_MAX_ATTEMPTS", job.max_attempts.to_string())
+            .env("INTRAY_KIND", &job.kind)
+            .env("INTRAY_QUEUE", &job.queue)
+            // Its own process group, so a stop signal reaches whatever the
+            // command started too (a shell script's children), and a Ctrl-C
+            // at the terminal reaches only `intray work`, which drains.
+            .process_group(0)
+            .kill_on_drop(true);
+        match ctx.traceparent() {
+            Some(traceparent) => command.env("TRACEPARENT", traceparent),
+            None => command.env_remove("TRACEPARENT"),
+        };
+        let mut child = command.spawn().map_err(|e| {
+            JobError::fatal(
+                "command_not_started",
+                format!("cannot start {:?}: {e}", self.program),
+            )
+        })?;
+        let pid = child.id().and_then(|id| i32::try_from(id).ok());
+
+        let payload = serde_json::to_vec(&job.payload).unwrap_or_default();
+        let stdin = child.stdin.take().map(|mut stdin| {
+            tokio::spawn(async move {
+                // A command that does not read its input closes the pipe
+                // early; that is its business, not an error.
+                let _ = stdin.write_all(&payload).await;
+                let _ = stdin.write_all(b"\n").await;
+            })
+        });
+        let limit = self.max_result_bytes;
+        let stdout = child
+            .stdout
+            .take()
+            .map(|out| tokio::spawn(capture(out, limit)));
+        let stderr = child
+            .stderr
+            .take()
+            .map(|err| tokio::spawn(tail(err, STDERR_TAIL_BYTES)));
+
+        let status = tokio::select! {
+            status = child.wait() => status,
+            () = ctx.cancelled() => {
+                let status = self.terminate(&mut child, pid).await;
+                tracing::info!(job_id = %job.id, ?status, reason = ?ctx.cancel_reason(), "command stopped");
+                return Err(JobError::retryable("command_stopped", format!("stopped: {:?}", ctx.cancel_reason())));
+            }
+        };
+        // Whatever the command left running in its group would hold the
+        // pipes open and outlive the job: the job is over, so are they.
+        if let Some(pid) = pid {
+            let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+        if let Some(task) = stdin {
+            task.abort();
+        }
+        let status = status.map_err(|e| {
+            JobError::retryable(
+                "command_wait_failed",
+                format!("cannot wait for the command: {e}"),
+            )
+        })?;
+        let captured = match stdout {
+            Some(task) => task.await.unwrap_or(Captured {
+                bytes: Vec::new(),
+                total: 0,
+            }),
+            None => Captured {
+                bytes: Vec::new(),
+                total: 0,
+            },
+        };
+        let stderr = match stderr {
+            Some(task) => task.await.unwrap_or_default(),
+            None => String::new(),
+        };
+        outcome(status, captured, &stderr, limit)
+    }
+
+    /// SIGTERM to the command's process group, SIGKILL after `kill_after`.
+    async fn terminate(&self, child: &mut Child, pid: Option<i32>) -> Option<ExitStatus> {
+        let Some(pid) = pid else {
+            // Already reaped: nothing left to signal.
+            return child.wait().await.ok();
+        };
+        let group = Pid::from_raw(pid);
+        let _ = killpg(group, Signal::SIGTERM);
+        let status = match tokio::time::timeout(self.kill_after, child.wait()).await {
+            Ok(status) => status.ok(),
+            Err(_) => {
+                let _ = killpg(group, Signal::SIGKILL);
+                child.wait().await.ok()
+            }
+        };
+        // The leader may have exited on SIGTERM while others in the group
+        // ignored it.
+        let _ = killpg(group, Signal::SIGKILL);
+        status
+    }
+}
+
+/// Reads everything, keeping the first `limit + 1` bytes (one more than
+/// allowed, to tell "exactly the limit" from "over it"); reading on past the
+/// limit keeps a chatty command from blocking on a full pipe.
+async fn capture(mut out: impl AsyncRead + Unpin, limit: usize) -> Captured {
+    let mut bytes = Vec::new();
+    let mut total = 0usize;
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match out.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                total = total.saturating_add(n);
+                let room = (limit + 1).saturating_sub(bytes.len());
+                bytes.extend_from_slice(&buf[..n.min(room)]);
+            }
+        }
+    }
+    Captured { bytes, total }
+}
+
+/// The last `keep` bytes of a stream, as text.
+async fn tail(mut err: impl AsyncRead + Unpin, keep: usize) -> String {
+    let mut kept: Vec<u8> = Vec::new();
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        match err.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                kept.extend_from_slice(&buf[..n]);
+                if kept.len() > keep {
+                    kept.drain(..kept.len() - keep);
+                }
+            }
+        }
+    }
+    String::from_utf8_lossy(&kept).trim().to_owned()
+}
+
+/// Exit 0: stdout is the result (JSON, else a string); 75: retryable
+/// failure; anything else, or a signal: final failure with stderr's tail.
+fn outcome(
+    status: ExitStatus,
+    stdout: Captured,
+    stderr: &str,
+    limit: usize,
+) -> Result<Value, JobError> {
+    let detail = |what: String| {
+        if stderr.is_empty() {
+            what
+        } else {
+            format!("{what}: {stderr}")
+        }
+    };
+    match status.code() {
+        Some(0) => {
+            if stdout.total > limit {
+                return Err(too_large(stdout.total, limit));
+            }
+            let value = result_value(&stdout.bytes);
+            let size = serde_json::to_vec(&value).map(|v| v.len()).unwrap_or(0);
+            if size > limit {
+                return Err(too_large(size, limit));
+            }
+            Ok(value)
+        }
+        Some(EXIT_RETRYABLE) => Err(JobError::retryable(
+            "command_tempfail",
+            detail(format!("exit code {EXIT_RETRYABLE}")),
+        )),
+        Some(code) => Err(JobError::fatal(
+            "command_failed",
+            detail(format!("exit code {code}")),
+        )),
+        None => Err(JobError::fatal(
+            "command_failed",
+            detail(format!(
+                "killed by signal {}",
+                status.signal().unwrap_or_default()
+            )),
+        )),
+    }
+}
+
+fn too_large(bytes: usize, limit: usize) -> JobError {
+    JobError::fatal(
+        "result_too_large",
+        format!("the command wrote a result of {bytes} bytes; the limit is {limit} bytes"),
+    )
+}
+
+/// JSON when stdout parses as JSON, else the text as a JSON string; nothing
+/// at all is `null`.
+fn result_value(bytes: &[u8]) -> Value {
+    let text = String::from_utf8_lossy(bytes);
+    let trimmed = text.trim();
+    if trimmed.is_empty() {
+        return Value::Null;
+    }
+    serde_json::from_str(trimmed)
+        .unwrap_or_else(|_| Value::String(text.strip_suffix('\n').unwrap_or(&text).to_owned()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn exit(code: i32) -> ExitStatus {
+        ExitStatus::from_raw(code << 8)
+    }
+
+    fn out(text: &str) -> Captured {
+        Captured {
+            bytes: text.as_bytes().to_vec(),
+            total: text.len(),
+        }
+    }
+
+    #[test]
+    fn stdout_is_json_or_a_string() {
+        assert_eq!(result_value(b"{\"a\": 1}\n"), serde_json::json!({"a": 1}));
+        assert_eq!(result_value(b"hello\n"), Value::String("hello".into()));
+        assert_eq!(result_value(b"  \n"), Value::Null);
+    }
+
+    #[test]
+    fn exit_codes_map_to_outcomes() {
+        assert_eq!(
+            outcome(exit(0), out("7"), "", 100),
+            Ok(serde_json::json!(7))
+        );
+        let e = outcome(exit(75), out(""), "busy", 100).err();
+        assert!(e.is_some_and(|e| e.retryable
+            && e.class == "command_tempfail"
+            && e.message == "exit code 75: busy"));
+        let e = outcome(exit(1), out(""), "boom", 100).err();
+        assert!(e.is_some_and(|e| !e.retryable && e.message == "exit code 1: boom"));
+        let e = outcome(ExitStatus::from_raw(9), out(""), "", 100).err();
+        assert!(e.is_some_and(|e| !e.retryable && e.message == "killed by signal 9"));
+    }
+
+    #[test]
+    fn results_over_the_limit_fail_clearly() {
+        let big = Captured {
+            bytes: vec![b'x'; 11],
+            total: 5000,
+        };
+        let e = outcome(exit(0), big, "", 10).err();
+        assert!(e.is_some_and(|e| e.class == "result_too_large"
+            && !e.retryable
+            && e.message.contains("5000 bytes")));
+        // Fits as bytes, but not once escaped as a JSON string.
+        let e = outcome(exit(0), out("\"\"\"\"\"\"\""), "", 8).err();
+        assert!(e.is_some_and(|e| e.class == "result_too_large"));
+    }
+
+    #[tokio::test]
+    async fn capture_keeps_one_byte_past_the_limit_and_counts_all() {
+        let data = vec![1u8; 100_000];
+        let c = capture(&data[..], 10).await;
+        assert_eq!((c.bytes.len(), c.total), (11, 100_000));
+        let t = tail(&b"abcdefghij"[..], 4).await;
+        assert_eq!(t, "ghij");
+    }
+}

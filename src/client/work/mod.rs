@@ -1,0 +1,135 @@
+//! `intray work`: a worker that runs a command per job, so any program in any
+//! language can be a worker without a client library.
+
+mod child;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+
+use child::CommandSpec;
+
+use super::args::{ClientOpts, parse_duration};
+use super::error::ClientError;
+use crate::worker::{Worker, WorkerError};
+
+/// Arguments of `intray work`.
+#[derive(Args, Clone, Debug)]
+pub struct WorkArgs {
+    /// Queue to lease jobs from; repeat for several.
+    #[arg(long = "queue", value_name = "QUEUE", required = true)]
+    pub queues: Vec<String>,
+
+    /// Only jobs of this kind; repeat for several (default: any kind).
+    #[arg(long = "kind", value_name = "KIND")]
+    pub kinds: Vec<String>,
+
+    /// Commands run at once, 1..=1000.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub concurrency: usize,
+
+    /// Name shown in `intray stats` and job events (default hostname-pid).
+    #[arg(long, value_name = "ID")]
+    pub worker_id: Option<String>,
+
+    /// Lease asked for; heartbeats extend it every third of it while the command runs.
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_duration)]
+    pub lease_duration: Duration,
+
+    /// On SIGINT/SIGTERM, how long running commands may take to finish before they are stopped.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
+    pub grace: Duration,
+
+    /// How long a stopped command has between SIGTERM and SIGKILL.
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
+    pub kill_after: Duration,
+
+    /// Largest result in bytes (stdout, and its JSON form); larger is a result_too_large failure.
+    #[arg(long, value_name = "BYTES", default_value_t = 1024 * 1024)]
+    pub max_result_bytes: usize,
+
+    /// Bearer token sent as `authorization` metadata.
+    #[arg(
+        long,
+        value_name = "TOKEN",
+        env = "INTRAY_TOKEN",
+        hide_env_values = true
+    )]
+    pub token: Option<String>,
+
+    /// The command to run for each job, after `--`: the payload JSON is on
+    /// its stdin; INTRAY_JOB_ID, INTRAY_ATTEMPT, INTRAY_KIND, INTRAY_QUEUE,
+    /// INTRAY_MAX_ATTEMPTS and TRACEPARENT (when the job has one) in its
+    /// environment; its stdout (JSON, else a string) is the result; exit 0
+    /// succeeds, 75 is a retryable failure, anything else a final failure
+    /// with the tail of stderr as the message.
+    #[arg(last = true, required = true, value_name = "CMD")]
+    pub command: Vec<String>,
+}
+
+/// Runs the worker until SIGINT or SIGTERM, then drains.
+pub async fn run(opts: &ClientOpts, args: WorkArgs) -> Result<(), ClientError> {
+    crate::telemetry::init_logging();
+    let mut command = args.command.into_iter();
+    let program = command
+        .next()
+        .ok_or_else(|| ClientError::BadArgument("give the command to run after --".into()))?;
+    let spec = Arc::new(CommandSpec {
+        program,
+        args: command.collect(),
+        kill_after: args.kill_after,
+        max_result_bytes: args.max_result_bytes,
+    });
+    let mut builder = Worker::builder(&opts.addr)
+        .kinds(args.kinds)
+        .concurrency(args.concurrency)
+        .lease_duration(args.lease_duration)
+        .grace(args.grace)
+        // Room for SIGTERM, the wait and SIGKILL before the worker gives up.
+        .cancel_timeout(args.kill_after + Duration::from_secs(1))
+        .default_handler(move |job, ctx| {
+            let spec = spec.clone();
+            async move { spec.run(job, ctx).await }
+        });
+    for queue in args.queues {
+        builder = builder.queue(queue);
+    }
+    if let Some(tenant) = &opts.tenant {
+        builder = builder.tenant(tenant);
+    }
+    if let Some(token) = args.token {
+        builder = builder.auth_token(token);
+    }
+    if let Some(id) = args.worker_id {
+        builder = builder.worker_id(id);
+    }
+    let worker = builder.build().map_err(worker_error)?;
+    worker.run(shutdown_signal()).await.map_err(worker_error)
+}
+
+fn worker_error(error: WorkerError) -> ClientError {
+    match error {
+        WorkerError::Config(message) => ClientError::BadArgument(message),
+        WorkerError::Refused(status) => ClientError::Status(status),
+    }
+}
+
+/// Completes on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let wait = |kind: SignalKind| async move {
+        match signal(kind) {
+            Ok(mut stream) => {
+                stream.recv().await;
+            }
+            // Without the handler the default action (exit) applies anyway.
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        () = wait(SignalKind::interrupt()) => {}
+        () = wait(SignalKind::terminate()) => {}
+    }
+    tracing::info!("shutting down: no more leases, draining running commands");
+}

@@ -1,0 +1,290 @@
+//! `intray work` (the built binary) running a small shell script against the
+//! real server, on SQLite and PostgreSQL: results, exit codes, cancellation
+//! killing the child, and results over the size limit.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use common::*;
+use intray::pb::{self, JobState as St};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde_json::json;
+use tokio::process::{Child, Command};
+
+common::backend_tests!(
+    work_success,
+    work_exit_75_is_retried,
+    work_exit_1_fails_with_stderr_tail,
+    work_cancel_kills_the_child,
+    work_result_over_the_limit_fails_clearly,
+);
+
+const TENANT: &str = "acme";
+const LONG: Duration = Duration::from_secs(20);
+
+/// One script for every test, switching on the job's kind.
+const SCRIPT: &str = r#"#!/bin/sh
+payload=$(cat)
+case "$INTRAY_KIND" in
+  ok)
+    printf '{"payload":%s,"job":"%s","attempt":%s,"kind":"%s","queue":"%s"}\n' \
+      "$payload" "$INTRAY_JOB_ID" "$INTRAY_ATTEMPT" "$INTRAY_KIND" "$INTRAY_QUEUE" ;;
+  text)
+    echo "plain words" ;;
+  tempfail)
+    if [ "$INTRAY_ATTEMPT" = 1 ]; then echo "upstream busy, try later" >&2; exit 75; fi
+    echo '"ok on retry"' ;;
+  fail)
+    echo "some early noise" >&2
+    echo "fatal: the input is bad" >&2
+    exit 1 ;;
+  hang)
+    echo $$ > "$WORK_DIR/$INTRAY_JOB_ID.pid"
+    sleep 60 &
+    echo $! > "$WORK_DIR/$INTRAY_JOB_ID.sleep"
+    wait ;;
+  big)
+    head -c 2000000 /dev/zero | tr '\0' 'x' ;;
+  *)
+    echo "unknown kind $INTRAY_KIND" >&2; exit 2 ;;
+esac
+"#;
+
+/// A running `intray work` process and the folder its script writes to.
+struct WorkProcess {
+    child: Child,
+    dir: tempfile::TempDir,
+}
+
+impl WorkProcess {
+    async fn start(server: &TestServer, extra: &[&str]) -> WorkProcess {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let script = dir.path().join("job.sh");
+        std::fs::write(&script, SCRIPT).expect("write the script");
+        let mut command = Command::new(env!("CARGO_BIN_EXE_intray"));
+        command
+            .args(["work", "--addr", &server.url(), "--tenant", TENANT])
+            .args(["--queue", "shell", "--worker-id", "shell-worker"])
+            .args([
+                "--lease-duration",
+                "3s",
+                "--grace",
+                "2s",
+                "--kill-after",
+                "1s",
+            ])
+            .args(extra)
+            .arg("--")
+            .arg("sh")
+            .arg(&script)
+            .env("WORK_DIR", dir.path())
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .kill_on_drop(true);
+        let child = command.spawn().expect("start intray work");
+        WorkProcess { child, dir }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// SIGTERM, then the drain must end with exit status 0.
+    async fn stop(mut self) {
+        if let Some(pid) = self.child.id() {
+            let _ = kill(Pid::from_raw(pid as i32), Signal::SIGTERM);
+        }
+        let status = within(LONG, "intray work to exit", self.child.wait())
+            .await
+            .expect("wait for intray work");
+        assert!(status.success(), "intray work exited with {status}");
+    }
+}
+
+fn error_of(job: &pb::Job) -> (String, String) {
+    job.error
+        .as_ref()
+        .map(|e| (e.class.clone(), e.message.clone()))
+        .unwrap_or_default()
+}
+
+async fn work_success(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let worker = WorkProcess::start(&server, &["--concurrency", "2"]).await;
+
+    let ok = submit(
+        &mut jobs,
+        "shell",
+        "ok",
+        json!({"doc": "hello", "n": [1, 2]}),
+    )
+    .await;
+    let text = submit(&mut jobs, "shell", "text", json!(null)).await;
+
+    let done = wait_for_state(&mut jobs, &ok.id, St::Succeeded, LONG).await;
+    assert_eq!(
+        done.result.as_ref().map(value_to_json),
+        Some(json!({
+            "payload": {"doc": "hello", "n": [1.0, 2.0]},
+            "job": ok.id,
+            "attempt": 1.0,
+            "kind": "ok",
+            "queue": "shell",
+        })),
+        "stdout JSON is the result; payload on stdin, job facts in the environment"
+    );
+    assert_eq!(done.lease_owner, "");
+    let done = wait_for_state(&mut jobs, &text.id, St::Succeeded, LONG).await;
+    assert_eq!(
+        done.result.as_ref().map(value_to_json),
+        Some(json!("plain words"))
+    );
+    worker.stop().await;
+    server.stop().await;
+}
+
+async fn work_exit_75_is_retried(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let worker = WorkProcess::start(&server, &[]).await;
+
+    let mut request = submit_req("shell", "tempfail", json!({}));
+    request.backoff = Some(pb::Backoff {
+        initial: Some(ms(100)),
+        max: Some(ms(200)),
+    });
+    let job = submit_with(&mut jobs, request).await;
+    let done = wait_for_state(&mut jobs, &job.id, St::Succeeded, LONG).await;
+    assert_eq!(done.attempt, 2, "exit 75 was retried");
+    assert_eq!(
+        done.result.as_ref().map(value_to_json),
+        Some(json!("ok on retry"))
+    );
+    let events = watch_all(&mut jobs, &job.id, 0, LONG).await;
+    let retry = events
+        .iter()
+        .find(|e| e.r#type == pb::JobEventType::RetryScheduled as i32)
+        .unwrap_or_else(|| panic!("no RETRY_SCHEDULED in {:?}", event_types(&events)));
+    let detail = retry
+        .detail
+        .as_ref()
+        .map(|d| serde_json::to_string(d).unwrap_or_default());
+    assert!(
+        detail
+            .as_deref()
+            .is_some_and(|d| d.contains("command_tempfail") && d.contains("upstream busy")),
+        "the retry records the class and stderr: {detail:?}"
+    );
+    worker.stop().await;
+    server.stop().await;
+}
+
+async fn work_exit_1_fails_with_stderr_tail(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let worker = WorkProcess::start(&server, &[]).await;
+
+    let job = submit(&mut jobs, "shell", "fail", json!({})).await;
+    let done = wait_for_state(&mut jobs, &job.id, St::Failed, LONG).await;
+    assert_eq!(
+        done.attempt, 1,
+        "any exit code other than 0 and 75 is final"
+    );
+    let (class, message) = error_of(&done);
+    assert_eq!(class, "command_failed");
+    assert!(message.starts_with("exit code 1: "), "{message:?}");
+    assert!(
+        message.ends_with("fatal: the input is bad"),
+        "stderr's tail: {message:?}"
+    );
+    worker.stop().await;
+    server.stop().await;
+}
+
+/// Whether the process is gone (a zombie nobody reaped counts as gone).
+fn process_gone(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+    }
+}
+
+async fn read_pid(path: &Path) -> i32 {
+    within(LONG, "the script writing its pid", async {
+        loop {
+            if let Ok(text) = std::fs::read_to_string(path)
+                && let Ok(pid) = text.trim().parse::<i32>()
+            {
+                return pid;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+}
+
+async fn work_cancel_kills_the_child(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let worker = WorkProcess::start(&server, &[]).await;
+
+    let job = submit(&mut jobs, "shell", "hang", json!({})).await;
+    let shell = read_pid(&worker.path(&format!("{}.pid", job.id))).await;
+    let sleep = read_pid(&worker.path(&format!("{}.sleep", job.id))).await;
+    assert!(
+        !process_gone(shell) && !process_gone(sleep),
+        "the command runs"
+    );
+
+    let cancelled_at = Instant::now();
+    jobs.cancel(pb::CancelJobRequest {
+        id: job.id.clone(),
+        reason: "test".into(),
+    })
+    .await
+    .expect("Cancel");
+    // Well before the server's 30 s cancel grace: the worker reported back.
+    wait_for_state(&mut jobs, &job.id, St::Cancelled, Duration::from_secs(8)).await;
+    within(
+        Duration::from_secs(5),
+        "the command's processes to die",
+        async {
+            while !(process_gone(shell) && process_gone(sleep)) {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        },
+    )
+    .await;
+    assert!(
+        cancelled_at.elapsed() < Duration::from_secs(6),
+        "one heartbeat (1 s) plus SIGTERM, took {:?}",
+        cancelled_at.elapsed()
+    );
+    worker.stop().await;
+    server.stop().await;
+}
+
+async fn work_result_over_the_limit_fails_clearly(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let worker = WorkProcess::start(&server, &[]).await;
+
+    let job = submit(&mut jobs, "shell", "big", json!({})).await;
+    let done = wait_for_state(&mut jobs, &job.id, St::Failed, LONG).await;
+    assert_eq!(done.attempt, 1, "a result too large is final");
+    let (class, message) = error_of(&done);
+    assert_eq!(class, "result_too_large");
+    assert!(
+        message.contains("2000000 bytes") && message.contains("1048576"),
+        "the message gives the size and the limit: {message:?}"
+    );
+    worker.stop().await;
+    server.stop().await;
+}
