@@ -1,0 +1,232 @@
+#!/usr/bin/env python3
+"""An intray worker in plain Python with grpcio: lease, a heartbeat thread,
+complete, failure with an error class, and cancellation.
+
+Generate the stubs from the repository root first (they are not committed):
+
+    python -m pip install -r examples/python/requirements.txt
+    python -m grpc_tools.protoc -I proto --python_out=build/py \
+        --grpc_python_out=build/py proto/intray/v1/intray.proto
+    python examples/python/worker.py --stubs build/py --queue py
+
+Kinds it handles:
+  echo   succeeds with {"echo": payload, "attempt": n}
+  fail   fails with payload["error_class"] (retryable if payload["retryable"])
+  flaky  fails retryably on attempt 1, succeeds after
+  sleep  sleeps payload["seconds"], stopping early when the job is cancelled
+Any other kind fails for good with class "unknown_kind".
+
+SIGTERM or SIGINT stops leasing; the job in hand finishes first.
+The protocol is described in docs/workers.md.
+"""
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import sys
+import threading
+import time
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--addr", default="127.0.0.1:50051", help="server host:port")
+    p.add_argument("--tenant", default="", help="sent as x-intray-tenant")
+    p.add_argument("--token", default=os.environ.get("INTRAY_TOKEN", ""),
+                   help="bearer token (default $INTRAY_TOKEN)")
+    p.add_argument("--queue", action="append", required=True, help="queue to lease from; repeat")
+    p.add_argument("--worker-id", default=f"py-{socket.gethostname()}-{os.getpid()}")
+    p.add_argument("--lease-seconds", type=int, default=60, help="lease length")
+    p.add_argument("--wait-seconds", type=int, default=5,
+                   help="long-poll per Lease call (also bounds how fast SIGTERM is noticed)")
+    p.add_argument("--stubs", required=True, help="folder with the generated intray/v1 stubs")
+    return p.parse_args()
+
+
+ARGS = parse_args()
+sys.path.insert(0, ARGS.stubs)
+
+import grpc  # noqa: E402
+from google.protobuf import duration_pb2, json_format, struct_pb2  # noqa: E402
+from intray.v1 import intray_pb2 as pb  # noqa: E402
+from intray.v1 import intray_pb2_grpc as rpc  # noqa: E402
+
+# Statuses that no retry can fix: the worker itself is misconfigured.
+FATAL = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED,
+         grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED}
+# The lease is gone: stop the work and report nothing.
+LOST = {grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND}
+
+
+def log(msg, **fields):
+    extra = " ".join(f"{k}={v}" for k, v in fields.items())
+    print(f"[py-worker] {msg} {extra}", file=sys.stderr, flush=True)
+
+
+def metadata():
+    md = []
+    if ARGS.tenant:
+        md.append(("x-intray-tenant", ARGS.tenant))
+    if ARGS.token:
+        md.append(("authorization", f"Bearer {ARGS.token}"))
+    return md
+
+
+class JobError(Exception):
+    """A failed attempt: class, message, retryable, retry_after (seconds)."""
+
+    def __init__(self, error_class, message, retryable=True, retry_after=None):
+        super().__init__(message)
+        self.error_class, self.message = error_class, message
+        self.retryable, self.retry_after = retryable, retry_after
+
+
+class Heartbeat(threading.Thread):
+    """Extends the lease every third of it while the job runs. Sets
+    `cancelled` when the job is cancelled, and `lost` (and `cancelled`) when
+    the lease is gone or could not be extended for a whole lease."""
+
+    def __init__(self, stub, job):
+        super().__init__(daemon=True)
+        self.stub, self.job = stub, job
+        self.cancelled, self.lost, self.done = threading.Event(), threading.Event(), threading.Event()
+        self.progress = None
+
+    def run(self):
+        interval = ARGS.lease_seconds / 3
+        held_until = time.monotonic() + ARGS.lease_seconds
+        delay = interval
+        while not self.done.wait(delay):
+            req = pb.HeartbeatRequest(job_id=self.job.job_id, lease_token=self.job.lease_token)
+            if self.progress is not None:
+                req.progress, req.message = self.progress
+            sent = time.monotonic()
+            try:
+                resp = self.stub.Heartbeat(req, timeout=10, metadata=metadata())
+            except grpc.RpcError as e:
+                if e.code() in LOST or time.monotonic() >= held_until:
+                    log("lease lost", job=self.job.job_id, code=e.code().name)
+                    self.lost.set()
+                    self.cancelled.set()
+                    return
+                log("heartbeat failed; retrying", code=e.code().name)
+                delay = min(interval, 0.5)
+                continue
+            held_until = sent + ARGS.lease_seconds
+            delay = interval
+            if resp.cancel_requested and not self.cancelled.is_set():
+                log("job cancelled", job=self.job.job_id)
+                self.cancelled.set()
+
+
+def handle(job, payload, hb):
+    """The work itself. Returns the result or raises JobError."""
+    if job.kind == "echo":
+        return {"echo": payload, "attempt": job.attempt}
+    if job.kind == "fail":
+        raise JobError(payload.get("error_class", "failed"), payload.get("message", "asked to fail"),
+                       retryable=bool(payload.get("retryable", False)))
+    if job.kind == "flaky":
+        if job.attempt == 1:
+            raise JobError("flaky", "first attempt always fails", retryable=True, retry_after=0.1)
+        return {"ok_on_attempt": job.attempt}
+    if job.kind == "sleep":
+        seconds = float(payload.get("seconds", 1))
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            # Check the cancel flag often: cancellation should stop work fast.
+            if hb.cancelled.wait(0.1):
+                raise JobError("cancelled", "stopped on cancel", retryable=False)
+            hb.progress = (1 - (end - time.monotonic()) / seconds, "sleeping")
+        return {"slept": seconds}
+    raise JobError("unknown_kind", f"no handler for kind {job.kind!r}", retryable=False)
+
+
+def complete(stub, job, request):
+    """Sends the outcome; retries while the server is unavailable."""
+    backoff = 0.1
+    deadline = time.monotonic() + ARGS.lease_seconds
+    while True:
+        try:
+            stub.Complete(request, timeout=10, metadata=metadata())
+            return
+        except grpc.RpcError as e:
+            if e.code() in LOST:
+                log("lease lost before complete; outcome dropped", job=job.job_id)
+                return
+            if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                log("complete failed", job=job.job_id, code=e.code().name, detail=e.details())
+                return
+            time.sleep(random.uniform(backoff / 2, backoff))
+            backoff = min(backoff * 2, 5)
+
+
+def run_job(stub, job):
+    payload = json.loads(json_format.MessageToJson(job.payload)) if job.HasField("payload") else None
+    hb = Heartbeat(stub, job)
+    hb.start()
+    request = pb.CompleteRequest(job_id=job.job_id, lease_token=job.lease_token)
+    try:
+        result = handle(job, payload, hb)
+        value = struct_pb2.Value()
+        json_format.Parse(json.dumps(result), value)
+        request.success.result.CopyFrom(value)
+        log("job succeeded", job=job.job_id, kind=job.kind)
+    except JobError as e:
+        request.failure.error_class = e.error_class
+        request.failure.message = e.message
+        request.failure.retryable = e.retryable
+        if e.retry_after is not None:
+            request.failure.retry_after.CopyFrom(duration_pb2.Duration(
+                seconds=int(e.retry_after), nanos=int((e.retry_after % 1) * 1e9)))
+        log("job failed", job=job.job_id, error_class=e.error_class, retryable=e.retryable)
+    except Exception as e:  # a bug in the handler: let another attempt try
+        request.failure.error_class = "handler_exception"
+        request.failure.message = repr(e)
+        request.failure.retryable = True
+    finally:
+        hb.done.set()
+        hb.join()
+    if hb.lost.is_set():
+        return  # someone else may own the job now: write nothing
+    complete(stub, job, request)
+
+
+def main():
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    signal.signal(signal.SIGINT, lambda *_: stopping.set())
+    channel = grpc.insecure_channel(ARGS.addr)
+    stub = rpc.WorkerServiceStub(channel)
+    log("worker started", addr=ARGS.addr, queues=",".join(ARGS.queue), worker_id=ARGS.worker_id)
+    backoff = 0.1
+    while not stopping.is_set():
+        request = pb.LeaseRequest(
+            worker_id=ARGS.worker_id, queues=ARGS.queue, max_jobs=1,
+            lease_duration=duration_pb2.Duration(seconds=ARGS.lease_seconds),
+            wait=duration_pb2.Duration(seconds=ARGS.wait_seconds))
+        try:
+            jobs = stub.Lease(request, timeout=ARGS.wait_seconds + 10, metadata=metadata()).jobs
+            backoff = 0.1
+        except grpc.RpcError as e:
+            if e.code() in FATAL:
+                log("the server refused the worker", code=e.code().name, detail=e.details())
+                return 2
+            # UNAVAILABLE and friends: back off with jitter, then try again.
+            delay = random.uniform(backoff / 2, backoff)
+            log("lease failed; retrying", code=e.code().name, retry_in=f"{delay:.2f}s")
+            stopping.wait(delay)
+            backoff = min(backoff * 2, 30)
+            continue
+        for job in jobs:
+            run_job(stub, job)
+    log("worker stopped")
+    channel.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+//! The Python example worker (`examples/python/worker.py`) end to end against
+//! the real server, on SQLite and PostgreSQL.
+//!
+//! The test makes its own virtualenv under cargo's target tmp folder (reused
+//! while `requirements.txt` is unchanged), installs the pinned requirements
+//! from PyPI, and generates the gRPC stubs from `proto/` with grpcio-tools.
+//! A missing python3, venv module or pip fails the test with a message
+//! naming what is missing: it never skips.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command as StdCommand, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use common::*;
+use intray::pb::{self, JobState as St};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde_json::json;
+use tokio::process::Command;
+
+common::backend_tests!(python_worker_end_to_end);
+
+const TENANT: &str = "acme";
+const LONG: Duration = Duration::from_secs(20);
+
+/// A virtualenv with the example's requirements, and generated stubs.
+struct PythonEnv {
+    python: PathBuf,
+    stubs: PathBuf,
+}
+
+fn manifest_dir() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Runs a setup command; on failure the panic says what was run and why.
+fn run(cmd: &mut StdCommand, what: &str) {
+    let output = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("{what}: cannot run {cmd:?}: {e}"));
+    assert!(
+        output.status.success(),
+        "{what}: {cmd:?} failed with {}\nstdout:\n{}\nstderr:\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// Makes (or reuses) the virtualenv and generates the stubs, once per run.
+fn python_env() -> &'static PythonEnv {
+    static ENV: OnceLock<PythonEnv> = OnceLock::new();
+    ENV.get_or_init(|| {
+        let python3 = StdCommand::new("python3").arg("--version").output();
+        match python3 {
+            Ok(out) if out.status.success() => {}
+            Ok(out) => panic!(
+                "python3 is missing or broken (python3 --version: {}): install Python 3 with its venv module (Debian: apt-get install python3 python3-venv python3-pip)",
+                out.status
+            ),
+            Err(e) => panic!(
+                "python3 is missing ({e}): install Python 3 with its venv module (Debian: apt-get install python3 python3-venv python3-pip)"
+            ),
+        }
+        let requirements_path = manifest_dir().join("examples/python/requirements.txt");
+        let requirements = std::fs::read_to_string(&requirements_path)
+            .unwrap_or_else(|e| panic!("read {}: {e}", requirements_path.display()));
+        let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+        let venv = tmp.join("python-worker-venv");
+        let stamp = |dir: &Path| dir.join("intray-requirements.txt");
+        let current = std::fs::read_to_string(stamp(&venv)).ok();
+        if current.as_deref() != Some(requirements.as_str()) || !venv.join("bin/python").exists() {
+            // Built beside and renamed into place, so a run that dies half
+            // way leaves no half-made venv behind to be reused.
+            let fresh = tmp.join(format!("python-worker-venv.{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&fresh);
+            run(
+                StdCommand::new("python3").args(["-m", "venv"]).arg(&fresh),
+                "creating the virtualenv (is python3-venv installed?)",
+            );
+            let pip_ok = StdCommand::new(fresh.join("bin/python"))
+                .args(["-m", "pip", "--version"])
+                .output()
+                .is_ok_and(|o| o.status.success());
+            assert!(
+                pip_ok,
+                "pip is missing in the virtualenv {}: install pip for python3 (Debian: apt-get install python3-pip python3-venv)",
+                fresh.display()
+            );
+            run(
+                StdCommand::new(fresh.join("bin/python"))
+                    .args(["-m", "pip", "install", "--quiet", "-r"])
+                    .arg(&requirements_path),
+                "installing examples/python/requirements.txt from PyPI",
+            );
+            std::fs::write(stamp(&fresh), &requirements).expect("write the requirements stamp");
+            let _ = std::fs::remove_dir_all(&venv);
+            std::fs::rename(&fresh, &venv).expect("move the virtualenv into place");
+        }
+        let python = venv.join("bin/python");
+        let stubs = tmp.join(format!("python-worker-stubs.{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&stubs);
+        std::fs::create_dir_all(&stubs).expect("create the stubs folder");
+        run(
+            StdCommand::new(&python)
+                .current_dir(manifest_dir())
+                .args(["-m", "grpc_tools.protoc", "-I", "proto"])
+                .arg(format!("--python_out={}", stubs.display()))
+                .arg(format!("--grpc_python_out={}", stubs.display()))
+                .arg("proto/intray/v1/intray.proto"),
+            "generating the Python stubs with grpc_tools.protoc",
+        );
+        PythonEnv { python, stubs }
+    })
+}
+
+fn error_class(job: &pb::Job) -> String {
+    job.error
+        .as_ref()
+        .map(|e| e.class.clone())
+        .unwrap_or_default()
+}
+
+async fn python_worker_end_to_end(backend: Backend) {
+    let env = tokio::task::spawn_blocking(python_env)
+        .await
+        .expect("Python setup");
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let mut worker = Command::new(&env.python)
+        .arg("-u")
+        .arg(manifest_dir().join("examples/python/worker.py"))
+        .args(["--addr", &server.addr.to_string(), "--tenant", TENANT])
+        .args(["--queue", "py", "--worker-id", "py-worker"])
+        .args(["--lease-seconds", "3", "--wait-seconds", "1"])
+        .arg("--stubs")
+        .arg(&env.stubs)
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start the Python worker");
+
+    // Success: the payload comes back.
+    let echo = submit(&mut jobs, "py", "echo", json!({"doc": "hi"})).await;
+    let done = wait_for_state(&mut jobs, &echo.id, St::Succeeded, LONG).await;
+    assert_eq!(
+        done.result.as_ref().map(value_to_json),
+        Some(json!({"echo": {"doc": "hi"}, "attempt": 1.0}))
+    );
+    assert_eq!(done.lease_owner, "");
+
+    // A final failure with its error class.
+    let fail = submit(
+        &mut jobs,
+        "py",
+        "fail",
+        json!({"error_class": "bad_input", "message": "empty doc", "retryable": false}),
+    )
+    .await;
+    let done = wait_for_state(&mut jobs, &fail.id, St::Failed, LONG).await;
+    assert_eq!(error_class(&done), "bad_input");
+    assert_eq!(done.attempt, 1);
+
+    // A retryable failure, then success.
+    let flaky = submit(&mut jobs, "py", "flaky", json!({})).await;
+    let done = wait_for_state(&mut jobs, &flaky.id, St::Succeeded, LONG).await;
+    assert_eq!(done.attempt, 2);
+    let events = watch_all(&mut jobs, &flaky.id, 0, LONG).await;
+    let retry = events
+        .iter()
+        .find(|e| e.r#type == pb::JobEventType::RetryScheduled as i32)
+        .unwrap_or_else(|| panic!("no RETRY_SCHEDULED in {:?}", event_types(&events)));
+    let detail = retry
+        .detail
+        .as_ref()
+        .map(|d| serde_json::to_string(d).unwrap_or_default());
+    assert!(
+        detail.as_deref().is_some_and(|d| d.contains("flaky")),
+        "the retry records the error class: {detail:?}"
+    );
+
+    // Cancellation reaches the running job through the heartbeat thread.
+    let sleep = submit(&mut jobs, "py", "sleep", json!({"seconds": 60})).await;
+    wait_for_state(&mut jobs, &sleep.id, St::Running, LONG).await;
+    let cancelled_at = Instant::now();
+    jobs.cancel(pb::CancelJobRequest {
+        id: sleep.id.clone(),
+        reason: "test".into(),
+    })
+    .await
+    .expect("Cancel");
+    wait_for_state(&mut jobs, &sleep.id, St::Cancelled, Duration::from_secs(8)).await;
+    assert!(
+        cancelled_at.elapsed() < Duration::from_secs(5),
+        "the worker reported the cancel within a heartbeat or so (1 s), not at the 30 s grace: {:?}",
+        cancelled_at.elapsed()
+    );
+
+    // SIGTERM: stops leasing and exits cleanly.
+    let pid = worker.id().expect("worker pid");
+    kill(Pid::from_raw(pid as i32), Signal::SIGTERM).expect("signal the worker");
+    let status = within(LONG, "the Python worker to exit", worker.wait())
+        .await
+        .expect("wait for the Python worker");
+    assert!(status.success(), "the Python worker exited with {status}");
+    server.stop().await;
+}
