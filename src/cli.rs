@@ -83,6 +83,14 @@ pub struct ServeArgs {
     /// How often waiting Lease and WatchJob calls re-read the database without a notification.
     #[arg(long, env = "INTRAY_FALLBACK_POLL", default_value = "1s", value_parser = duration)]
     pub fallback_poll: Duration,
+
+    /// Finished jobs older than this are deleted with their events.
+    #[arg(long, env = "INTRAY_RETENTION", default_value = "7days", value_parser = duration)]
+    pub retention: Duration,
+
+    /// Most queued jobs per tenant and queue; Submit beyond it gets RESOURCE_EXHAUSTED.
+    #[arg(long, env = "INTRAY_QUEUE_BOUND", default_value_t = 1_000_000)]
+    pub queue_bound: u64,
 }
 
 impl ServeArgs {
@@ -108,6 +116,8 @@ impl ServeArgs {
         s.max_payload_bytes = self.max_payload_bytes;
         s.cancel_grace = self.cancel_grace;
         s.fallback_poll = self.fallback_poll;
+        s.retention = self.retention;
+        s.queue_bound = self.queue_bound;
         Ok(s)
     }
 }

@@ -31,6 +31,10 @@ pub struct Settings {
     /// How often a waiting `Lease` or `WatchJob` re-reads the database even
     /// without a notification, so a lost one costs latency and never a job.
     pub fallback_poll: Duration,
+    /// Finished jobs older than this are deleted with their events.
+    pub retention: Duration,
+    /// Most queued jobs per tenant and queue; `Submit` beyond it is refused.
+    pub queue_bound: u64,
 }
 
 impl Settings {
@@ -48,6 +52,8 @@ impl Settings {
             max_payload_bytes: 1024 * 1024,
             cancel_grace: Duration::from_secs(30),
             fallback_poll: Duration::from_secs(1),
+            retention: Duration::from_secs(7 * 24 * 3600),
+            queue_bound: 1_000_000,
         }
     }
 }

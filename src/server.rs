@@ -48,6 +48,7 @@ pub async fn run(
     let store = store::open(&settings, Arc::clone(&notifier)).await?;
     let stop = CancellationToken::new();
     let reaper_interval = settings.reaper_interval;
+    let retention = settings.retention;
     let ctx = Context::new(Arc::clone(&store), notifier, settings, stop.clone())
         .map_err(|e| ServerError::Settings(e.to_string()))?;
 
@@ -77,6 +78,7 @@ pub async fn run(
     let reaper_task = tokio::spawn(reaper::run(
         Arc::clone(&store),
         reaper_interval,
+        retention,
         stop.clone(),
     ));
 

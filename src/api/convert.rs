@@ -166,6 +166,7 @@ pub fn job(j: &Job) -> pb::Job {
             max: Some(duration(j.backoff.max())),
         }),
         callback_url: j.callback_url.clone().unwrap_or_default(),
+        max_cost_cents: j.max_cost_cents.unwrap_or(0),
     }
 }
 
@@ -212,6 +213,7 @@ pub fn submit_input(r: pb::SubmitRequest) -> Result<SubmitInput> {
         max_attempts: r.max_attempts,
         labels: r.labels.into_iter().collect(),
         callback_url: r.callback_url,
+        max_cost_cents: r.max_cost_cents,
     })
 }
 
@@ -277,6 +279,7 @@ fn queue_stats(q: &QueueStats) -> pb::QueueStats {
         oldest_runnable_age: q.oldest_runnable_age.map(duration),
         running: q.count(JobState::Running),
         dead: q.count(JobState::Failed),
+        paused: q.paused,
     }
 }
 

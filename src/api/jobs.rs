@@ -11,6 +11,7 @@ use tonic::{Request, Response, Status};
 use uuid::Uuid;
 
 use super::Context;
+use super::backpressure::QueueDepths;
 use super::convert;
 use super::status::item_error;
 use super::tenant::tenant_of;
@@ -28,12 +29,21 @@ const WORKERS_WINDOW: Duration = Duration::from_secs(300);
 /// The JobService implementation.
 pub struct JobsApi {
     ctx: Context,
+    depths: QueueDepths,
 }
 
 impl JobsApi {
     /// A service over the given context.
     pub fn new(ctx: Context) -> Self {
-        JobsApi { ctx }
+        let depths = QueueDepths::new(ctx.settings.queue_bound);
+        JobsApi { ctx, depths }
+    }
+
+    async fn set_paused(&self, tenant: &str, queue: &str, paused: bool) -> Result<String, Status> {
+        let queue = validate::queue("queue", queue)?;
+        self.ctx.store.set_paused(tenant, &queue, paused).await?;
+        tracing::info!(tenant, queue = %queue, paused, "queue pause changed");
+        Ok(queue)
     }
 
     fn validate_submit(&self, request: pb::SubmitRequest) -> Result<NewJob, ValidationError> {
@@ -56,6 +66,9 @@ impl JobService for JobsApi {
     ) -> Result<Response<pb::SubmitResponse>, Status> {
         let tenant = tenant_of(&request)?;
         let new = self.validate_submit(request.into_inner())?;
+        self.depths
+            .admit(&*self.ctx.store, &tenant, &new.queue)
+            .await?;
         let mut results = self.ctx.store.submit(&tenant, vec![new]).await?;
         let submitted = results
             .pop()
@@ -81,17 +94,28 @@ impl JobService for JobsApi {
             Vec::with_capacity(jobs.len());
         let mut valid = Vec::new();
         for (i, job) in jobs.into_iter().enumerate() {
-            match self.validate_submit(job) {
-                Ok(new) => {
-                    valid.push(new);
-                    answers.push(None);
-                }
+            let new = match self.validate_submit(job) {
+                Ok(new) => new,
                 Err(mut err) => {
                     err.field = format!("jobs[{i}].{}", err.field);
                     answers.push(Some(pb::submit_batch_result::Result::Error(item_error(
                         err,
                     ))));
+                    continue;
                 }
+            };
+            match self
+                .depths
+                .admit(&*self.ctx.store, &tenant, &new.queue)
+                .await
+            {
+                Ok(()) => {
+                    valid.push(new);
+                    answers.push(None);
+                }
+                Err(full) => answers.push(Some(pb::submit_batch_result::Result::Error(
+                    item_error(full),
+                ))),
             }
         }
         let mut stored = self.ctx.store.submit(&tenant, valid).await?.into_iter();
@@ -243,6 +267,34 @@ impl JobService for JobsApi {
             .stats(&tenant, queue.as_deref(), WORKERS_WINDOW)
             .await?;
         Ok(Response::new(convert::stats(&stats)))
+    }
+
+    async fn pause_queue(
+        &self,
+        request: Request<pb::PauseQueueRequest>,
+    ) -> Result<Response<pb::PauseQueueResponse>, Status> {
+        let tenant = tenant_of(&request)?;
+        let queue = self
+            .set_paused(&tenant, &request.get_ref().queue, true)
+            .await?;
+        Ok(Response::new(pb::PauseQueueResponse {
+            queue,
+            paused: true,
+        }))
+    }
+
+    async fn resume_queue(
+        &self,
+        request: Request<pb::ResumeQueueRequest>,
+    ) -> Result<Response<pb::ResumeQueueResponse>, Status> {
+        let tenant = tenant_of(&request)?;
+        let queue = self
+            .set_paused(&tenant, &request.get_ref().queue, false)
+            .await?;
+        Ok(Response::new(pb::ResumeQueueResponse {
+            queue,
+            paused: false,
+        }))
     }
 }
 

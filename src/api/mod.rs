@@ -2,6 +2,7 @@
 //! types, and the one mapping from errors to `tonic::Status`. Proto types do
 //! not leave this module.
 
+mod backpressure;
 mod convert;
 mod jobs;
 mod status;

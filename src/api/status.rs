@@ -15,11 +15,19 @@ pub enum ApiError {
     Invalid(#[from] ValidationError),
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The queue holds its bound of queued jobs.
+    #[error("queue {queue} holds {bound} queued jobs, its bound; retry later")]
+    QueueFull {
+        queue: String,
+        bound: u64,
+        retry_after: std::time::Duration,
+    },
 }
 
 fn code_and_message(err: &ApiError) -> (Code, String) {
     match err {
         ApiError::Invalid(v) => (Code::InvalidArgument, v.to_string()),
+        ApiError::QueueFull { .. } => (Code::ResourceExhausted, err.to_string()),
         ApiError::Store(e) => match e {
             StoreError::NotFound => (Code::NotFound, e.to_string()),
             StoreError::LeaseLost => (Code::Aborted, e.to_string()),
@@ -49,6 +57,11 @@ impl From<ApiError> for Status {
                 message,
                 ErrorDetails::with_bad_request_violation(v.field.clone(), v.reason.clone()),
             ),
+            ApiError::QueueFull { retry_after, .. } => Status::with_error_details(
+                code,
+                message,
+                ErrorDetails::with_retry_info(Some(*retry_after)),
+            ),
             ApiError::Store(_) => Status::new(code, message),
         }
     }
@@ -72,7 +85,7 @@ pub fn item_error(err: impl Into<ApiError>) -> pb::ItemError {
     let (code, message) = code_and_message(&err);
     let field = match &err {
         ApiError::Invalid(v) => v.field.clone(),
-        ApiError::Store(_) => String::new(),
+        ApiError::Store(_) | ApiError::QueueFull { .. } => String::new(),
     };
     pb::ItemError {
         code: code as i32,

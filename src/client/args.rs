@@ -97,7 +97,9 @@ pub enum ClientCommand {
     /// The payload JSON is on the command's stdin, its stdout is the result,
     /// exit 0 succeeds, 75 is a retryable failure and any other code a final
     /// one. Runs until SIGINT or SIGTERM, then drains.
-    #[command(after_help = "Example:\n  intray work --queue default --kind resize --concurrency 4 -- ./resize.sh")]
+    #[command(
+        after_help = "Example:\n  intray work --queue default --kind resize --concurrency 4 -- ./resize.sh"
+    )]
     Work(super::work::WorkArgs),
 }
 
@@ -167,6 +169,10 @@ pub struct SubmitArgs {
     /// http(s) URL stored with the job for completion callbacks.
     #[arg(long, value_name = "URL")]
     pub callback_url: Option<String>,
+
+    /// Spend limit in cents over all attempts: once reported costs reach it, a failure is final.
+    #[arg(long, value_name = "CENTS")]
+    pub max_cost_cents: Option<i64>,
 }
 
 /// Arguments of `intray get`.

@@ -279,6 +279,7 @@ pub fn submit_request(
         backoff,
         labels: label_map(args.labels)?,
         callback_url: args.callback_url.unwrap_or_default(),
+        max_cost_cents: args.max_cost_cents,
     })
 }
 

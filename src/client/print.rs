@@ -324,8 +324,13 @@ pub fn write_stats(out: &mut impl Write, stats: &StatsResponse) -> io::Result<()
                     .oldest_runnable_age
                     .and_then(|d| Duration::try_from(d).ok())
                     .map_or_else(|| "-".to_owned(), format_duration);
+                let name = if q.paused {
+                    format!("{} (paused)", q.queue)
+                } else {
+                    q.queue.clone()
+                };
                 vec![
-                    q.queue.clone(),
+                    name,
                     count(JobState::Queued),
                     q.running.to_string(),
                     count(JobState::Succeeded),
@@ -572,6 +577,7 @@ ID                                    STATE   QUEUE    KIND       ATTEMPT  CREAT
                 oldest_runnable_age: Some(Duration::from_secs(75).into()),
                 running: 2,
                 dead: 1,
+                paused: false,
             }],
             workers: vec![WorkerInfo {
                 worker_id: "w-1".into(),

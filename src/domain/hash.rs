@@ -25,6 +25,7 @@ pub struct HashInput<'a> {
     pub backoff: Backoff,
     pub labels: &'a BTreeMap<String, String>,
     pub callback_url: Option<&'a str>,
+    pub max_cost_cents: Option<i64>,
 }
 
 /// The canonical bytes of an input: stable across key order and map order.
@@ -43,6 +44,7 @@ pub fn canonical_form(input: &HashInput<'_>) -> Vec<u8> {
             "backoff_max_ms": u64::try_from(input.backoff.max().as_millis()).unwrap_or(u64::MAX),
             "labels": input.labels,
             "callback_url": input.callback_url,
+            "max_cost_cents": input.max_cost_cents,
         },
     });
     // Serialising a Value cannot fail: every key is a string.
@@ -95,6 +97,7 @@ mod tests {
                 .expect("valid"),
             labels: &labels,
             callback_url: None,
+            max_cost_cents: None,
         })
     }
 
@@ -138,6 +141,7 @@ mod tests {
                 .expect("valid"),
             labels: &labels,
             callback_url: None,
+            max_cost_cents: None,
         });
         let text = String::from_utf8(bytes).expect("utf8");
         assert!(

@@ -166,6 +166,8 @@ pub struct Job {
     pub deadline: Option<DateTime<Utc>>,
     pub backoff: Backoff,
     pub callback_url: Option<String>,
+    /// Spend limit over all attempts; a failure once it is reached is final.
+    pub max_cost_cents: Option<i64>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
     pub started_at: Option<DateTime<Utc>>,
@@ -211,6 +213,7 @@ pub struct NewJob {
     pub backoff: Backoff,
     pub labels: BTreeMap<String, String>,
     pub callback_url: Option<String>,
+    pub max_cost_cents: Option<i64>,
 }
 
 /// What a worker reports at the end of an attempt.
@@ -295,6 +298,7 @@ pub struct QueueStats {
     pub queue: String,
     pub counts: BTreeMap<&'static str, u64>,
     pub oldest_runnable_age: Option<Duration>,
+    pub paused: bool,
 }
 
 impl QueueStats {

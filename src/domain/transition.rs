@@ -26,6 +26,9 @@ pub enum TransitionError {
 /// Error class recorded when the last attempt's lease expired.
 pub const LEASE_EXPIRED_CLASS: &str = "lease_expired";
 
+/// Error class recorded when a failure finds the job's spend limit reached.
+pub const BUDGET_EXHAUSTED_CLASS: &str = "budget_exhausted";
+
 fn chrono_delay(d: Duration) -> chrono::Duration {
     chrono::Duration::from_std(d).unwrap_or(chrono::Duration::MAX)
 }
@@ -117,6 +120,17 @@ pub fn complete(
                 "attempts exhausted"
             } else if job.deadline.is_some_and(|deadline| deadline <= now) {
                 "deadline passed"
+            } else if job.max_cost_cents.is_some_and(|max| job.cost_cents >= max) {
+                // The worker's own error stays in the event's detail.
+                job.error = Some(JobError {
+                    class: BUDGET_EXHAUSTED_CLASS.into(),
+                    message: format!(
+                        "spent {} of {} cents; not retried",
+                        job.cost_cents,
+                        job.max_cost_cents.unwrap_or_default()
+                    ),
+                });
+                "budget exhausted"
             } else {
                 // A retry due after the deadline is still scheduled (SPEC: only
                 // a deadline already passed stops it); the reaper expires it.
@@ -295,6 +309,7 @@ mod tests {
             backoff: Backoff::try_new(Duration::from_secs(5), Duration::from_secs(300))
                 .expect("valid"),
             callback_url: None,
+            max_cost_cents: None,
             created_at: t(0),
             updated_at: t(0),
             started_at: Some(t(0)),
@@ -417,6 +432,27 @@ mod tests {
         )
         .expect("ok");
         assert_eq!((job.state, job.run_at), (JobState::Queued, t(20)));
+    }
+
+    #[test]
+    fn a_spent_budget_stops_retries() {
+        let mut job = running(1, 5);
+        job.max_cost_cents = Some(10);
+        job.cost_cents = 4;
+        complete(&mut job, "tok", failure(true, None), 5, t(0), 0.0).expect("ok");
+        assert_eq!(job.state, JobState::Queued, "9 of 10 spent: retried");
+
+        job.state = JobState::Running;
+        job.lease_token = Some("tok".into());
+        let event = complete(&mut job, "tok", failure(true, None), 1, t(1), 0.0).expect("ok");
+        assert_eq!(job.state, JobState::Failed);
+        assert_eq!(job.cost_cents, 10);
+        assert_eq!(
+            job.error.as_ref().map(|e| e.class.as_str()),
+            Some(BUDGET_EXHAUSTED_CLASS)
+        );
+        let detail = event.detail.expect("detail");
+        assert_eq!(detail["error"]["class"], "rate_limited", "{detail}");
     }
 
     #[test]

@@ -83,6 +83,7 @@ pub struct SubmitInput {
     pub backoff_max: Option<Duration>,
     pub labels: BTreeMap<String, String>,
     pub callback_url: String,
+    pub max_cost_cents: Option<i64>,
 }
 
 fn name(field: &str, value: &str, extra: &[char]) -> Result<String> {
@@ -243,6 +244,12 @@ pub fn submit(input: SubmitInput, limits: &Limits, now: DateTime<Utc>) -> Result
     }
     labels("labels", &input.labels)?;
     let callback_url = callback_url(&input.callback_url)?;
+    if input.max_cost_cents.is_some_and(|max| max < 1) {
+        return Err(ValidationError::new(
+            "max_cost_cents",
+            "must be at least 1 (leave it unset for no limit)",
+        ));
+    }
     let input_hash = input_hash(&HashInput {
         queue: &queue,
         kind: &kind,
@@ -254,6 +261,7 @@ pub fn submit(input: SubmitInput, limits: &Limits, now: DateTime<Utc>) -> Result
         backoff,
         labels: &input.labels,
         callback_url: callback_url.as_deref(),
+        max_cost_cents: input.max_cost_cents,
     });
     Ok(NewJob {
         queue,
@@ -268,6 +276,7 @@ pub fn submit(input: SubmitInput, limits: &Limits, now: DateTime<Utc>) -> Result
         backoff,
         labels: input.labels,
         callback_url,
+        max_cost_cents: input.max_cost_cents,
     })
 }
 
@@ -671,6 +680,13 @@ mod tests {
                 ..good()
             }),
             "labels[Bad Key]"
+        );
+        assert_eq!(
+            field_of(SubmitInput {
+                max_cost_cents: Some(0),
+                ..good()
+            }),
+            "max_cost_cents"
         );
         assert_eq!(
             field_of(SubmitInput {

@@ -1,5 +1,6 @@
-//! The reaper: reclaims expired leases (including cancels past their grace)
-//! and expires queued jobs past their deadline. Every replica runs one; the
+//! The reaper: reclaims expired leases (including cancels past their grace),
+//! expires queued jobs past their deadline, and deletes finished jobs older
+//! than the retention window. Every replica runs one; the
 //! store's row locks keep them from processing a job twice.
 
 use std::sync::Arc;
@@ -7,7 +8,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::store::Store;
+use crate::store::{Reaped, Store};
 
 /// Rows of each kind handled per transaction, so one pass never holds many
 /// locks or blocks the hot path for long.
@@ -15,7 +16,12 @@ const BATCH: u32 = 500;
 
 /// Runs passes every `interval` until `stop` fires. A pass that filled its
 /// batch is followed at once by another.
-pub async fn run(store: Arc<dyn Store>, interval: Duration, stop: CancellationToken) {
+pub async fn run(
+    store: Arc<dyn Store>,
+    interval: Duration,
+    retention: Duration,
+    stop: CancellationToken,
+) {
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -24,17 +30,22 @@ pub async fn run(store: Arc<dyn Store>, interval: Duration, stop: CancellationTo
             _ = ticker.tick() => {}
         }
         loop {
-            match store.reap(BATCH).await {
+            match store.reap(BATCH, retention).await {
                 Ok(reaped) => {
-                    if reaped.expired_leases > 0 || reaped.expired_deadlines > 0 {
+                    if reaped != Reaped::default() {
                         tracing::info!(
                             expired_leases = reaped.expired_leases,
                             expired_deadlines = reaped.expired_deadlines,
+                            deleted = reaped.deleted,
                             "reaper pass"
                         );
                     }
-                    let full = reaped.expired_leases == u64::from(BATCH)
-                        || reaped.expired_deadlines == u64::from(BATCH);
+                    let full = [
+                        reaped.expired_leases,
+                        reaped.expired_deadlines,
+                        reaped.deleted,
+                    ]
+                    .contains(&u64::from(BATCH));
                     if !full || stop.is_cancelled() {
                         break;
                     }

@@ -36,6 +36,11 @@ impl Changes {
         self.queues.insert(queue_key(&job.tenant, &job.queue));
     }
 
+    /// Records a queue whose waiting workers may claim again (a resume).
+    pub fn queue(&mut self, tenant: &str, queue: &str) {
+        self.queues.insert(queue_key(tenant, queue));
+    }
+
     /// Nothing to tell anyone.
     pub fn is_empty(&self) -> bool {
         self.queues.is_empty() && self.jobs.is_empty()

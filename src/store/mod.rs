@@ -54,6 +54,8 @@ pub struct Reaped {
     pub expired_leases: u64,
     /// Queued jobs past their deadline.
     pub expired_deadlines: u64,
+    /// Finished jobs deleted by retention.
+    pub deleted: u64,
 }
 
 /// The persistence interface. Every method is scoped to a tenant: another
@@ -137,9 +139,16 @@ pub trait Store: Send + Sync + 'static {
         items: Vec<CompleteSpec>,
     ) -> StoreResult<Vec<StoreResult<Job>>>;
 
-    /// One reaper pass over at most `batch` rows of each kind. Safe to run
-    /// from several replicas at once.
-    async fn reap(&self, batch: u32) -> StoreResult<Reaped>;
+    /// One reaper pass over at most `batch` rows of each kind, deleting
+    /// jobs finished more than `retention` ago. Safe to run from several
+    /// replicas at once.
+    async fn reap(&self, batch: u32, retention: Duration) -> StoreResult<Reaped>;
+
+    /// Pauses or resumes leasing from a queue (it keeps accepting jobs).
+    async fn set_paused(&self, tenant: &str, queue: &str, paused: bool) -> StoreResult<()>;
+
+    /// Jobs waiting in a queue (queued, runnable or not), for the queue bound.
+    async fn queued_count(&self, tenant: &str, queue: &str) -> StoreResult<u64>;
 }
 
 /// Opens the database named by `settings.database_url`, applies migrations,

@@ -112,6 +112,7 @@ fn job_from_row(row: &PgRow) -> StoreResult<Job> {
         deadline: row.try_get("deadline")?,
         backoff,
         callback_url: row.try_get("callback_url")?,
+        max_cost_cents: row.try_get("max_cost_cents")?,
         created_at: row.try_get("created_at")?,
         updated_at: row.try_get("updated_at")?,
         started_at: row.try_get("started_at")?,
@@ -266,9 +267,9 @@ impl PgStore {
             "WITH ins AS (
                 INSERT INTO jobs (id, tenant, queue, kind, state, payload, max_attempts, priority,
                     idempotency_key, input_hash, labels, run_at, deadline, backoff_initial_ms,
-                    backoff_max_ms, callback_url, created_at, updated_at, event_seq)
+                    backoff_max_ms, callback_url, max_cost_cents, created_at, updated_at, event_seq)
                 VALUES ($1, $2, $3, $4, 'queued', $5, $6, $7, $8, $9, $10, COALESCE($11, now()), $12,
-                    $13, $14, $15, now(), now(), 1)
+                    $13, $14, $15, $16, now(), now(), 1)
                 ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
                 RETURNING *
              ), ev AS (
@@ -292,6 +293,7 @@ impl PgStore {
         .bind(millis(new.backoff.initial()))
         .bind(millis(new.backoff.max()))
         .bind(new.callback_url.as_deref())
+        .bind(new.max_cost_cents)
         .fetch_optional(&mut *conn)
         .await?;
         if let Some(row) = inserted {
@@ -552,6 +554,13 @@ impl Store for PgStore {
         .bind(millis(workers_since))
         .fetch_all(&self.pool)
         .await?;
+        let paused: Vec<String> = sqlx::query_scalar(
+            "SELECT queue FROM paused_queues WHERE tenant = $1 AND ($2::text IS NULL OR queue = $2)",
+        )
+        .bind(tenant)
+        .bind(queue)
+        .fetch_all(&self.pool)
+        .await?;
 
         let mut by_queue: BTreeMap<String, QueueStats> = BTreeMap::new();
         for row in &counts {
@@ -572,6 +581,15 @@ impl Store for PgStore {
                 entry.oldest_runnable_age =
                     Some(Duration::from_millis(u64::try_from(age).unwrap_or(0)));
             }
+        }
+        for queue in paused {
+            by_queue
+                .entry(queue.clone())
+                .or_insert_with(|| QueueStats {
+                    queue,
+                    ..Default::default()
+                })
+                .paused = true;
         }
         let workers = workers
             .iter()
@@ -611,6 +629,9 @@ impl Store for PgStore {
                     LIMIT $4
                     FOR UPDATE SKIP LOCKED
                 ) c
+                WHERE NOT EXISTS (
+                    SELECT 1 FROM paused_queues p WHERE p.tenant = $1 AND p.queue = q.name
+                )
                 ORDER BY c.priority DESC, c.run_at, c.id
                 LIMIT $4
              ), upd AS (
@@ -769,7 +790,7 @@ impl Store for PgStore {
     }
 
     #[tracing::instrument(name = "store.reap", skip_all)]
-    async fn reap(&self, batch: u32) -> StoreResult<Reaped> {
+    async fn reap(&self, batch: u32, retention: Duration) -> StoreResult<Reaped> {
         let mut tx = self.pool.begin().await?;
         let expired_leases = sqlx::query(
             "SELECT *, now() AS db_now FROM jobs
@@ -806,9 +827,66 @@ impl Store for PgStore {
         notify(&mut tx, &changes).await?;
         tx.commit().await?;
         changes.wake(&self.notifier);
+        // Separate, small statement: deleting history must not hold the
+        // reaper's row locks longer, nor block claims (it only touches
+        // finished rows, which no claim reads).
+        let deleted = sqlx::query(
+            "DELETE FROM jobs WHERE id IN (
+                SELECT id FROM jobs
+                WHERE state IN ('succeeded', 'failed', 'cancelled', 'expired')
+                  AND finished_at < now() - $1 * interval '1 millisecond'
+                ORDER BY finished_at LIMIT $2 FOR UPDATE SKIP LOCKED
+             )",
+        )
+        .bind(millis(retention))
+        .bind(i64::from(batch))
+        .execute(&self.pool)
+        .await?
+        .rows_affected();
         Ok(Reaped {
             expired_leases: expired_leases.len() as u64,
             expired_deadlines: past_deadline.len() as u64,
+            deleted,
         })
+    }
+
+    #[tracing::instrument(name = "store.set_paused", skip_all, fields(queue, paused))]
+    async fn set_paused(&self, tenant: &str, queue: &str, paused: bool) -> StoreResult<()> {
+        let mut tx = self.pool.begin().await?;
+        let mut changes = Changes::default();
+        if paused {
+            sqlx::query(
+                "INSERT INTO paused_queues (tenant, queue, paused_at) VALUES ($1, $2, now())
+                 ON CONFLICT (tenant, queue) DO NOTHING",
+            )
+            .bind(tenant)
+            .bind(queue)
+            .execute(&mut *tx)
+            .await?;
+        } else {
+            sqlx::query("DELETE FROM paused_queues WHERE tenant = $1 AND queue = $2")
+                .bind(tenant)
+                .bind(queue)
+                .execute(&mut *tx)
+                .await?;
+            // Waiting workers may claim again.
+            changes.queue(tenant, queue);
+        }
+        notify(&mut tx, &changes).await?;
+        tx.commit().await?;
+        changes.wake(&self.notifier);
+        Ok(())
+    }
+
+    #[tracing::instrument(name = "store.queued_count", skip_all, fields(queue))]
+    async fn queued_count(&self, tenant: &str, queue: &str) -> StoreResult<u64> {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM jobs WHERE tenant = $1 AND queue = $2 AND state = 'queued'",
+        )
+        .bind(tenant)
+        .bind(queue)
+        .fetch_one(&self.pool)
+        .await?;
+        to_u64(n, "count")
     }
 }

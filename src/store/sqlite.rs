@@ -169,6 +169,7 @@ fn job_from_row(row: &SqliteRow) -> StoreResult<Job> {
         deadline: opt_ts(row, "deadline")?,
         backoff,
         callback_url: row.try_get("callback_url")?,
+        max_cost_cents: row.try_get("max_cost_cents")?,
         created_at: ts(row, "created_at")?,
         updated_at: ts(row, "updated_at")?,
         started_at: opt_ts(row, "started_at")?,
@@ -334,8 +335,8 @@ impl SqliteStore {
         let row = sqlx::query(
             "INSERT INTO jobs (id, tenant, queue, kind, state, payload, max_attempts, priority,
                 idempotency_key, input_hash, labels, run_at, deadline, backoff_initial_ms,
-                backoff_max_ms, callback_url, created_at, updated_at, event_seq)
-             VALUES (?1, ?2, ?3, ?4, 'queued', ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?16, 1)
+                backoff_max_ms, callback_url, max_cost_cents, created_at, updated_at, event_seq)
+             VALUES (?1, ?2, ?3, ?4, 'queued', ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?17, ?16, ?16, 1)
              RETURNING *",
         )
         .bind(id.to_string())
@@ -354,6 +355,7 @@ impl SqliteStore {
         .bind(duration_ms(new.backoff.max()))
         .bind(new.callback_url.as_deref())
         .bind(now)
+        .bind(new.max_cost_cents)
         .fetch_one(&mut *conn)
         .await?;
         let job = job_from_row(&row)?;
@@ -583,6 +585,13 @@ impl Store for SqliteStore {
         .bind(now - duration_ms(workers_since))
         .fetch_all(&self.reader)
         .await?;
+        let paused: Vec<String> = sqlx::query_scalar(
+            "SELECT queue FROM paused_queues WHERE tenant = ?1 AND (?2 IS NULL OR queue = ?2)",
+        )
+        .bind(tenant)
+        .bind(queue)
+        .fetch_all(&self.reader)
+        .await?;
 
         let mut by_queue: BTreeMap<String, QueueStats> = BTreeMap::new();
         for row in &counts {
@@ -603,6 +612,15 @@ impl Store for SqliteStore {
                 entry.oldest_runnable_age =
                     Some(Duration::from_millis(u64::try_from(age).unwrap_or(0)));
             }
+        }
+        for queue in paused {
+            by_queue
+                .entry(queue.clone())
+                .or_insert_with(|| QueueStats {
+                    queue,
+                    ..Default::default()
+                })
+                .paused = true;
         }
         let workers = workers
             .iter()
@@ -641,6 +659,7 @@ impl Store for SqliteStore {
                 SELECT id FROM jobs
                 WHERE tenant = ?1 AND state = 'queued' AND run_at <= ?6
                   AND queue IN (SELECT value FROM json_each(?2))
+                  AND queue NOT IN (SELECT queue FROM paused_queues WHERE tenant = ?1)
                   AND (?3 = '[]' OR kind IN (SELECT value FROM json_each(?3)))
                   AND (deadline IS NULL OR deadline > ?6)
                 ORDER BY priority DESC, run_at, id
@@ -814,7 +833,7 @@ impl Store for SqliteStore {
     }
 
     #[tracing::instrument(name = "store.reap", skip_all)]
-    async fn reap(&self, batch: u32) -> StoreResult<Reaped> {
+    async fn reap(&self, batch: u32, retention: Duration) -> StoreResult<Reaped> {
         let mut tx = self.begin().await?;
         let now = Utc::now();
         let expired_leases = sqlx::query(
@@ -849,9 +868,62 @@ impl Store for SqliteStore {
             }
         }
         self.commit(tx, &changes).await?;
+        // Its own short transaction, so the single writer is not held long.
+        let mut tx = self.begin().await?;
+        let deleted = sqlx::query(
+            "DELETE FROM jobs WHERE id IN (
+                SELECT id FROM jobs
+                WHERE state IN ('succeeded', 'failed', 'cancelled', 'expired') AND finished_at < ?1
+                ORDER BY finished_at LIMIT ?2
+             )",
+        )
+        .bind(ms(now) - duration_ms(retention))
+        .bind(i64::from(batch))
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        self.commit(tx, &Changes::default()).await?;
         Ok(Reaped {
             expired_leases: expired_leases.len() as u64,
             expired_deadlines: past_deadline.len() as u64,
+            deleted,
         })
+    }
+
+    #[tracing::instrument(name = "store.set_paused", skip_all, fields(queue, paused))]
+    async fn set_paused(&self, tenant: &str, queue: &str, paused: bool) -> StoreResult<()> {
+        let mut tx = self.begin().await?;
+        let mut changes = Changes::default();
+        if paused {
+            sqlx::query(
+                "INSERT INTO paused_queues (tenant, queue, paused_at) VALUES (?1, ?2, ?3)
+                 ON CONFLICT (tenant, queue) DO NOTHING",
+            )
+            .bind(tenant)
+            .bind(queue)
+            .bind(ms(Utc::now()))
+            .execute(&mut *tx)
+            .await?;
+        } else {
+            sqlx::query("DELETE FROM paused_queues WHERE tenant = ?1 AND queue = ?2")
+                .bind(tenant)
+                .bind(queue)
+                .execute(&mut *tx)
+                .await?;
+            changes.queue(tenant, queue);
+        }
+        self.commit(tx, &changes).await
+    }
+
+    #[tracing::instrument(name = "store.queued_count", skip_all, fields(queue))]
+    async fn queued_count(&self, tenant: &str, queue: &str) -> StoreResult<u64> {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM jobs WHERE tenant = ?1 AND queue = ?2 AND state = 'queued'",
+        )
+        .bind(tenant)
+        .bind(queue)
+        .fetch_one(&self.reader)
+        .await?;
+        to_u64(n, "count")
     }
 }
