@@ -2,11 +2,12 @@
 //! environment equivalent, turned into [`Settings`].
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
 
-use crate::config::Settings;
+use crate::config::{RateLimit, Settings, TlsFiles};
 
 /// Database used when neither a flag nor an environment variable names one.
 pub const DEFAULT_DATABASE_URL: &str = "sqlite://intray.db";
@@ -91,6 +92,66 @@ pub struct ServeArgs {
     /// Most queued jobs per tenant and queue; Submit beyond it gets RESOURCE_EXHAUSTED.
     #[arg(long, env = "INTRAY_QUEUE_BOUND", default_value_t = 1_000_000)]
     pub queue_bound: u64,
+
+    /// Token file: one `TOKEN TENANT ROLES` line per token (README,
+    /// "Security"). Without it the server runs in open development mode.
+    #[arg(long, env = "INTRAY_AUTH_FILE", value_name = "PATH")]
+    pub auth_file: Option<PathBuf>,
+
+    /// How often the token file and TLS files are checked for changes (SIGHUP reloads at once).
+    #[arg(long, env = "INTRAY_RELOAD_INTERVAL", default_value = "5s", value_parser = duration)]
+    pub reload_interval: Duration,
+
+    /// PEM certificate chain for TLS on the gRPC port (with --tls-key). Plaintext without it.
+    #[arg(
+        long,
+        env = "INTRAY_TLS_CERT",
+        value_name = "PATH",
+        requires = "tls_key"
+    )]
+    pub tls_cert: Option<PathBuf>,
+
+    /// PEM private key of --tls-cert.
+    #[arg(
+        long,
+        env = "INTRAY_TLS_KEY",
+        value_name = "PATH",
+        requires = "tls_cert"
+    )]
+    pub tls_key: Option<PathBuf>,
+
+    /// PEM CA certificates: clients must present a certificate they signed (mTLS).
+    #[arg(
+        long,
+        env = "INTRAY_TLS_CLIENT_CA",
+        value_name = "PATH",
+        requires = "tls_cert"
+    )]
+    pub tls_client_ca: Option<PathBuf>,
+
+    /// Longest a call may take (a Lease gets its longest wait, 60s, on top).
+    #[arg(long, env = "INTRAY_RPC_TIMEOUT", default_value = "30s", value_parser = duration)]
+    pub rpc_timeout: Duration,
+
+    /// Most calls served at once; more wait for a slot within their timeout.
+    #[arg(long, env = "INTRAY_CONCURRENCY_LIMIT", default_value_t = 1024)]
+    pub concurrency_limit: usize,
+
+    /// Calls per second per token (per tenant without authentication); 0 is unlimited.
+    #[arg(long, env = "INTRAY_RATE_LIMIT", default_value_t = 0.0)]
+    pub rate_limit: f64,
+
+    /// Calls a token may make at once after a quiet spell; default twice --rate-limit.
+    #[arg(long, env = "INTRAY_RATE_LIMIT_BURST")]
+    pub rate_limit_burst: Option<u32>,
+
+    /// HTTP/2 PING interval: keeps idle long-poll connections open through load balancers.
+    #[arg(long, env = "INTRAY_HTTP2_KEEPALIVE_INTERVAL", default_value = "30s", value_parser = duration)]
+    pub http2_keepalive_interval: Duration,
+
+    /// How long a PING may go unanswered before the connection is closed.
+    #[arg(long, env = "INTRAY_HTTP2_KEEPALIVE_TIMEOUT", default_value = "10s", value_parser = duration)]
+    pub http2_keepalive_timeout: Duration,
 }
 
 impl ServeArgs {
@@ -105,6 +166,18 @@ impl ServeArgs {
         if self.reaper_interval.is_zero() || self.fallback_poll.is_zero() {
             return Err("--reaper-interval and --fallback-poll must be above zero".into());
         }
+        if self.rpc_timeout.is_zero() || self.reload_interval.is_zero() {
+            return Err("--rpc-timeout and --reload-interval must be above zero".into());
+        }
+        if self.concurrency_limit == 0 {
+            return Err("--concurrency-limit must be at least 1".into());
+        }
+        if !self.rate_limit.is_finite() || self.rate_limit < 0.0 {
+            return Err("--rate-limit must be 0 (unlimited) or a positive number".into());
+        }
+        if self.rate_limit_burst == Some(0) {
+            return Err("--rate-limit-burst must be at least 1".into());
+        }
         let mut s = Settings::new(self.database.url());
         s.max_connections = self.max_connections;
         s.reaper_interval = self.reaper_interval;
@@ -118,6 +191,30 @@ impl ServeArgs {
         s.fallback_poll = self.fallback_poll;
         s.retention = self.retention;
         s.queue_bound = self.queue_bound;
+        s.auth_file = self.auth_file.clone();
+        s.reload_interval = self.reload_interval;
+        s.tls = match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => Some(TlsFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+                client_ca: self.tls_client_ca.clone(),
+            }),
+            _ => None,
+        };
+        s.rpc_timeout = self.rpc_timeout;
+        s.concurrency_limit = self.concurrency_limit;
+        s.rate_limit = (self.rate_limit > 0.0).then(|| RateLimit {
+            per_second: self.rate_limit,
+            // Twice the rate, at least one call: a client may catch up
+            // after a pause without being refused.
+            burst: self.rate_limit_burst.unwrap_or_else(|| {
+                (self.rate_limit * 2.0)
+                    .ceil()
+                    .clamp(1.0, f64::from(u32::MAX)) as u32
+            }),
+        });
+        s.http2_keepalive_interval = self.http2_keepalive_interval;
+        s.http2_keepalive_timeout = self.http2_keepalive_timeout;
         Ok(s)
     }
 }

@@ -1,5 +1,6 @@
 //! Typed server settings with the defaults of SPEC section 3.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 /// Everything `intray serve` can be told, in the shape the server uses.
@@ -35,6 +36,46 @@ pub struct Settings {
     pub retention: Duration,
     /// Most queued jobs per tenant and queue; `Submit` beyond it is refused.
     pub queue_bound: u64,
+    /// Token file (see `auth::file`); `None` is open development mode.
+    pub auth_file: Option<PathBuf>,
+    /// How often the token file and TLS files are checked for changes.
+    pub reload_interval: Duration,
+    /// TLS on the gRPC port; `None` is plaintext.
+    pub tls: Option<TlsFiles>,
+    /// Longest a call may take; a `Lease` gets its longest wait on top.
+    pub rpc_timeout: Duration,
+    /// Most calls served at once; further calls wait for a slot (within
+    /// their timeout). A waiting `Lease` holds a slot, a `WatchJob` stream
+    /// does not.
+    pub concurrency_limit: usize,
+    /// Per-caller rate limit; `None` is unlimited.
+    pub rate_limit: Option<RateLimit>,
+    /// HTTP/2 PING interval on idle connections: keeps load balancers from
+    /// closing connections that only carry a long-poll or a quiet stream.
+    pub http2_keepalive_interval: Duration,
+    /// How long a PING may go unanswered before the connection is closed.
+    pub http2_keepalive_timeout: Duration,
+}
+
+/// Certificate files of the gRPC port. Reloaded when they change.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// PEM certificate chain, leaf first.
+    pub cert: PathBuf,
+    /// PEM private key (PKCS#8, PKCS#1 or SEC1).
+    pub key: PathBuf,
+    /// PEM CA certificates; when set, clients must present a certificate
+    /// signed by one of them (mTLS).
+    pub client_ca: Option<PathBuf>,
+}
+
+/// How fast each caller (token, or tenant without authentication) may call.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RateLimit {
+    /// Sustained calls per second.
+    pub per_second: f64,
+    /// Calls that may be made at once after a quiet spell.
+    pub burst: u32,
 }
 
 impl Settings {
@@ -54,6 +95,14 @@ impl Settings {
             fallback_poll: Duration::from_secs(1),
             retention: Duration::from_secs(7 * 24 * 3600),
             queue_bound: 1_000_000,
+            auth_file: None,
+            reload_interval: Duration::from_secs(5),
+            tls: None,
+            rpc_timeout: Duration::from_secs(30),
+            concurrency_limit: 1024,
+            rate_limit: None,
+            http2_keepalive_interval: Duration::from_secs(30),
+            http2_keepalive_timeout: Duration::from_secs(10),
         }
     }
 }

@@ -1,14 +1,18 @@
 //! intray: a durable job-orchestration service.
 
 pub mod api;
+pub mod auth;
 pub mod cli;
 pub mod client;
 pub mod config;
 pub mod domain;
 pub mod engine;
+pub mod protect;
+pub mod reload;
 pub mod server;
 pub mod store;
 pub mod telemetry;
+pub mod tls;
 pub mod worker;
 
 /// Generated gRPC types and services of `proto/intray/v1/intray.proto`, with

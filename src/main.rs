@@ -23,7 +23,8 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the server: gRPC API, reaper, migrations on start.
-    Serve(ServeArgs),
+    // Boxed: the serve flags are many times larger than any other command's.
+    Serve(Box<ServeArgs>),
     /// Apply the database migrations and exit.
     Migrate(DatabaseArgs),
     #[command(flatten)]
@@ -34,7 +35,7 @@ enum Command {
 async fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::Serve(args) => serve(args).await,
+        Command::Serve(args) => serve(*args).await,
         Command::Migrate(db) => {
             intray::telemetry::init_logging();
             let url = db.url();

@@ -1,5 +1,5 @@
 //! All server wiring in one place: store, background tasks, services,
-//! health, reflection, limits, and a clean shutdown.
+//! health, reflection, authentication, TLS, limits, and a clean shutdown.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -11,16 +11,23 @@ use tonic::transport::Server;
 use tonic::transport::server::TcpIncoming;
 
 use crate::api::{Context, JobsApi, WorkersApi};
+use crate::auth::file::TokenFileError;
+use crate::auth::{AuthLayer, TokenSource};
 use crate::config::Settings;
 use crate::engine::{notifier::Notifier, reaper};
 use crate::pb::job_service_server::JobServiceServer;
 use crate::pb::worker_service_server::WorkerServiceServer;
+use crate::protect::{CallLimitLayer, RateLimitLayer};
 use crate::store::{self, StoreError};
+use crate::tls::{TlsError, TlsState};
 
 /// Largest request a service accepts: a full `SubmitBatch` of typical jobs.
 const MAX_REQUEST_BYTES: usize = 16 * 1024 * 1024;
 /// Largest response: a `List` page of 1,000 jobs with their payloads.
 const MAX_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
+/// TCP keepalive on accepted connections: finds peers that vanished without
+/// a FIN (a node gone) even when HTTP/2 pings are answered by a proxy.
+const TCP_KEEPALIVE: Duration = Duration::from_secs(60);
 
 /// Why the server could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -33,6 +40,33 @@ pub enum ServerError {
     Reflection(#[from] tonic_reflection::server::Error),
     #[error("transport: {0}")]
     Transport(#[from] tonic::transport::Error),
+    #[error("{0}")]
+    Auth(#[from] TokenFileError),
+    #[error("tls: {0}")]
+    Tls(#[from] TlsError),
+}
+
+/// The tokens of the configured file, or open mode with a warning that
+/// cannot be missed.
+fn token_source(settings: &Settings) -> Result<TokenSource, TokenFileError> {
+    match &settings.auth_file {
+        Some(path) => {
+            let source = TokenSource::from_file(path)?;
+            let tokens = source.current().len();
+            tracing::info!(file = %path.display(), tokens, "authentication on");
+            if tokens == 0 {
+                tracing::warn!(file = %path.display(), "the token file has no tokens: every call will be refused");
+            }
+            Ok(source)
+        }
+        None => {
+            tracing::warn!(
+                "AUTHENTICATION IS OFF: no --auth-file, so every caller may do everything \
+                 for any tenant (x-intray-tenant). Development only; never expose this port."
+            );
+            Ok(TokenSource::open())
+        }
+    }
 }
 
 /// Serves the gRPC API on `listener` until `shutdown` completes: opens and
@@ -44,10 +78,28 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServerError> {
+    // Files first: a bad token file or certificate fails before migrations.
+    let tokens = Arc::new(token_source(&settings)?);
+    let tls = match &settings.tls {
+        Some(files) => Some(Arc::new(TlsState::load(files.clone())?)),
+        None => None,
+    };
     let notifier = Arc::new(Notifier::new());
     let store = store::open(&settings, Arc::clone(&notifier)).await?;
     let stop = CancellationToken::new();
     let reaper_interval = settings.reaper_interval;
+    let reload_interval = settings.reload_interval;
+    let layers = tower::ServiceBuilder::new()
+        .layer(AuthLayer::new(Arc::clone(&tokens)))
+        .layer(RateLimitLayer::new(settings.rate_limit))
+        .layer(CallLimitLayer::new(
+            settings.rpc_timeout,
+            settings.concurrency_limit,
+        ));
+    let keepalive = (
+        settings.http2_keepalive_interval,
+        settings.http2_keepalive_timeout,
+    );
     let retention = settings.retention;
     let ctx = Context::new(Arc::clone(&store), notifier, settings, stop.clone())
         .map_err(|e| ServerError::Settings(e.to_string()))?;
@@ -81,6 +133,37 @@ pub async fn run(
         retention,
         stop.clone(),
     ));
+    let mut watchers = Vec::new();
+    if let Some(path) = tokens.path() {
+        let tokens = Arc::clone(&tokens);
+        watchers.push(tokio::spawn(crate::reload::watch(
+            "token file",
+            vec![path.to_owned()],
+            reload_interval,
+            stop.clone(),
+            move || tokens.reload_and_log(),
+        )));
+    }
+    if let Some(tls) = &tls {
+        let files = tls.files();
+        let paths = [
+            Some(&files.cert),
+            Some(&files.key),
+            files.client_ca.as_ref(),
+        ]
+        .into_iter()
+        .flatten()
+        .cloned()
+        .collect();
+        let tls = Arc::clone(tls);
+        watchers.push(tokio::spawn(crate::reload::watch(
+            "tls",
+            paths,
+            reload_interval,
+            stop.clone(),
+            move || tls.reload_and_log(),
+        )));
+    }
 
     let signal = {
         let stop = stop.clone();
@@ -101,21 +184,36 @@ pub async fn run(
 
     // Setting nodelay explicitly: an incoming built from a listener does not,
     // and delayed ACKs then add ~40 ms to small request/response pairs.
-    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    let served = Server::builder()
-        .http2_keepalive_interval(Some(Duration::from_secs(30)))
-        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+    let incoming = TcpIncoming::from(listener)
+        .with_nodelay(Some(true))
+        .with_keepalive(Some(TCP_KEEPALIVE));
+    // Layers see every call, health and reflection included: auth decides
+    // which of them need no token.
+    let router = Server::builder()
+        .http2_keepalive_interval(Some(keepalive.0))
+        .http2_keepalive_timeout(Some(keepalive.1))
+        .layer(layers)
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(jobs)
-        .add_service(workers)
-        .serve_with_incoming_shutdown(incoming, signal)
-        .await;
+        .add_service(workers);
+    let served = match tls {
+        Some(tls) => {
+            let incoming = crate::tls::incoming::incoming(incoming, tls, stop.clone());
+            router.serve_with_incoming_shutdown(incoming, signal).await
+        }
+        None => router.serve_with_incoming_shutdown(incoming, signal).await,
+    };
 
     stop.cancel();
     if let Err(err) = reaper_task.await {
         tracing::error!(error = %err, "reaper task failed");
+    }
+    for watcher in watchers {
+        if let Err(err) = watcher.await {
+            tracing::error!(error = %err, "file watch task failed");
+        }
     }
     served?;
     Ok(())

@@ -4,8 +4,10 @@
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
+use crate::auth::AuthError;
 use crate::domain::validate::ValidationError;
 use crate::pb;
+use crate::protect::ProtectError;
 use crate::store::StoreError;
 
 /// Why an RPC failed.
@@ -76,6 +78,36 @@ impl From<ValidationError> for Status {
 impl From<StoreError> for Status {
     fn from(err: StoreError) -> Status {
         ApiError::from(err).into()
+    }
+}
+
+/// Refusals of the auth layer: who you are is `UNAUTHENTICATED`, what you
+/// may do is `PERMISSION_DENIED`. The messages never say whether a token
+/// exists for some other tenant.
+impl From<AuthError> for Status {
+    fn from(err: AuthError) -> Status {
+        match err {
+            AuthError::MissingToken | AuthError::UnknownToken => {
+                Status::unauthenticated(err.to_string())
+            }
+            AuthError::Forbidden { .. } => Status::permission_denied(err.to_string()),
+            AuthError::BadTenant(v) => v.into(),
+        }
+    }
+}
+
+/// Protection layers: a rate limit tells when to come back (`RetryInfo`),
+/// a timeout is the server's deadline.
+impl From<ProtectError> for Status {
+    fn from(err: ProtectError) -> Status {
+        match err {
+            ProtectError::RateLimited { retry_after } => Status::with_error_details(
+                Code::ResourceExhausted,
+                err.to_string(),
+                ErrorDetails::with_retry_info(Some(retry_after)),
+            ),
+            ProtectError::Timeout { .. } => Status::deadline_exceeded(err.to_string()),
+        }
     }
 }
 

@@ -1,23 +1,16 @@
-//! Which tenant a call acts for. Until authentication exists it is the
-//! `x-intray-tenant` metadata, or `default`.
+//! Which tenant a call acts for: the one the auth layer decided (from the
+//! token; from `x-intray-tenant` for admins and in open mode).
 
-use tonic::Request;
+use tonic::{Request, Status};
 
-use super::status::ApiError;
-use crate::domain::validate::{self, ValidationError};
+use crate::auth::{AuthError, Identity};
 
-/// The metadata key naming the tenant.
-pub const TENANT_HEADER: &str = "x-intray-tenant";
-
-/// The tenant of a request, validated like a queue name.
-pub fn tenant_of<T>(request: &Request<T>) -> Result<String, ApiError> {
-    match request.metadata().get(TENANT_HEADER) {
-        None => Ok("default".to_owned()),
-        Some(value) => {
-            let text = value
-                .to_str()
-                .map_err(|_| ValidationError::new(TENANT_HEADER, "must be ASCII"))?;
-            Ok(validate::queue(TENANT_HEADER, text)?)
-        }
+/// The tenant of a request, from the [`Identity`] the auth layer attached.
+/// A request without one did not pass through the layer (a wiring mistake),
+/// and is refused rather than served for some default tenant.
+pub fn tenant_of<T>(request: &Request<T>) -> Result<String, Status> {
+    match request.extensions().get::<Identity>() {
+        Some(identity) => Ok(identity.tenant.clone()),
+        None => Err(AuthError::MissingToken.into()),
     }
 }

@@ -1,0 +1,128 @@
+//! Bounds on calls in time and number: a per-call timeout that gives a
+//! long-polling `Lease` its longest wait on top, and a limit on the calls
+//! served at once. Streams (`WatchJob`, health `Watch`) are not cut and do
+//! not hold a slot while they stream: their handlers return the stream at
+//! once and the bounds cover only that.
+//!
+//! The slot is taken inside the call's future, under its timeout, so a call
+//! waiting for a slot times out like any other (tower's
+//! `ConcurrencyLimit` waits in `poll_ready`, outside any timeout).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::sync::Semaphore;
+
+use tonic::Status;
+use tonic::codegen::http::{Request, Response};
+use tower::{Layer, Service};
+
+use super::ProtectError;
+use crate::domain::validate::MAX_WAIT;
+
+/// Methods that may legitimately wait for up to [`MAX_WAIT`] before answering.
+const LONG_POLLS: &[&str] = &["/intray.v1.WorkerService/Lease"];
+
+/// The limit for a method: `base`, plus [`MAX_WAIT`] for long-polls.
+pub fn limit_for(path: &str, base: Duration) -> Duration {
+    if LONG_POLLS.contains(&path) {
+        base + MAX_WAIT
+    } else {
+        base
+    }
+}
+
+/// Wraps services in [`CallLimit`].
+#[derive(Clone, Debug)]
+pub struct CallLimitLayer {
+    base: Duration,
+    slots: Arc<Semaphore>,
+}
+
+impl CallLimitLayer {
+    /// Calls end after `base` (long-polls after `base` plus their longest
+    /// wait); at most `concurrency` run at once, the others wait.
+    pub fn new(base: Duration, concurrency: usize) -> CallLimitLayer {
+        CallLimitLayer {
+            base,
+            slots: Arc::new(Semaphore::new(concurrency.max(1))),
+        }
+    }
+}
+
+impl<S> Layer<S> for CallLimitLayer {
+    type Service = CallLimit<S>;
+
+    fn layer(&self, inner: S) -> CallLimit<S> {
+        CallLimit {
+            inner,
+            base: self.base,
+            slots: Arc::clone(&self.slots),
+        }
+    }
+}
+
+/// Answers `DEADLINE_EXCEEDED` when a call (its wait for a slot included)
+/// takes longer than its limit; dropping the handler's future rolls back
+/// its open transaction.
+#[derive(Clone, Debug)]
+pub struct CallLimit<S> {
+    inner: S,
+    base: Duration,
+    slots: Arc<Semaphore>,
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for CallLimit<S>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    S::Future: Send + 'static,
+    ResBody: Default,
+{
+    type Response = Response<ResBody>;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<Response<ResBody>, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        let limit = limit_for(req.uri().path(), self.base);
+        // tonic's handlers do their work when polled, so holding the
+        // future until a slot is free is what limits the work.
+        let call = self.inner.call(req);
+        let slots = Arc::clone(&self.slots);
+        Box::pin(async move {
+            let bounded = async move {
+                // The semaphore is never closed, so this cannot fail; were
+                // it closed, serving without a slot beats refusing.
+                let _slot = slots.acquire_owned().await.ok();
+                call.await
+            };
+            match tokio::time::timeout(limit, bounded).await {
+                Ok(answer) => answer,
+                Err(_) => Ok(Status::from(ProtectError::Timeout { limit }).into_http()),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lease_gets_its_wait_on_top() {
+        let base = Duration::from_secs(30);
+        assert_eq!(
+            limit_for("/intray.v1.WorkerService/Lease", base),
+            base + MAX_WAIT
+        );
+        assert_eq!(limit_for("/intray.v1.JobService/Submit", base), base);
+    }
+}
