@@ -29,6 +29,7 @@ backend_tests!(
     tokens_rotate_by_rewriting_the_file,
     rate_limit_answers_resource_exhausted_with_retry_info,
     long_poll_outlives_the_call_timeout,
+    oversized_request_is_refused_and_nothing_written,
 );
 
 const ACME_PRODUCER: &str = "acme-producer-0123456789";
@@ -423,5 +424,23 @@ async fn long_poll_outlives_the_call_timeout(backend: Backend) {
         started.elapsed() >= Duration::from_millis(1400),
         "it waited"
     );
+    server.stop().await;
+}
+
+async fn oversized_request_is_refused_and_nothing_written(backend: Backend) {
+    let (server, _dir, _) = start(backend, |_| {}).await;
+    let mut acme = jobs(&server, Some(ACME_PRODUCER), None);
+    // 17 items of 1 MiB: over the 16 MiB message limit, though each payload
+    // alone is within --max-payload-bytes.
+    let blob = "x".repeat(1024 * 1024 - 64);
+    let items = (0..17)
+        .map(|i| submit_req("q", "k", json!({ "i": i, "blob": blob })))
+        .collect();
+    let res = acme
+        .submit_batch(pb::SubmitBatchRequest { jobs: items })
+        .await;
+    expect_code(res, Code::OutOfRange, "a request over the 16 MiB limit");
+    let listed = acme.list(list_req()).await.expect("list").into_inner();
+    assert!(listed.jobs.is_empty(), "nothing was written");
     server.stop().await;
 }

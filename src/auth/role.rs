@@ -146,7 +146,8 @@ pub fn access_for(path: &str) -> Access {
     } else if PUBLIC_SERVICES.iter().any(|p| path.starts_with(p)) {
         Access::Public
     } else {
-        // Includes JobService/Retry: replaying dead jobs is an operator's act.
+        // Admin: JobService/Retry, PauseQueue and ResumeQueue (operators'
+        // acts), and anything not listed above.
         Access::Role(Role::Admin)
     }
 }
@@ -163,6 +164,10 @@ mod tests {
         let submit = access_for("/intray.v1.JobService/Submit");
         let lease = access_for("/intray.v1.WorkerService/Lease");
         let retry = access_for("/intray.v1.JobService/Retry");
+        for admin_only in ["PauseQueue", "ResumeQueue"] {
+            let access = access_for(&format!("/intray.v1.JobService/{admin_only}"));
+            assert_eq!(access, Access::Role(Role::Admin), "{admin_only}");
+        }
         assert!(producer.allow(submit) && !producer.allow(lease) && !producer.allow(retry));
         assert!(worker.allow(lease) && !worker.allow(submit) && !worker.allow(retry));
         assert!(admin.allow(submit) && admin.allow(lease) && admin.allow(retry));

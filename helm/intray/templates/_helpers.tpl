@@ -1,0 +1,58 @@
+{{/* Chart name, truncated to the 63 characters Kubernetes names allow. */}}
+{{- define "intray.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Full name: the release name, with the chart name unless it already holds it. */}}
+{{- define "intray.fullname" -}}
+{{- if contains .Chart.Name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{- define "intray.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "intray.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "intray.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "intray.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "intray.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "intray.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The Secret holding the database URL: an existing one, or the chart's. */}}
+{{- define "intray.databaseSecret" -}}
+{{- default (include "intray.fullname" .) .Values.database.existingSecret }}
+{{- end }}
+
+{{- define "intray.databaseSecretKey" -}}
+{{- if .Values.database.existingSecret }}{{ .Values.database.existingSecretKey }}{{ else }}DATABASE_URL{{ end }}
+{{- end }}
+
+{{- define "intray.authSecret" -}}
+{{- default (include "intray.fullname" .) .Values.auth.existingSecret }}
+{{- end }}
+
+{{- define "intray.authSecretKey" -}}
+{{- if .Values.auth.existingSecret }}{{ .Values.auth.existingSecretKey }}{{ else }}tokens{{ end }}
+{{- end }}
+
+{{- define "intray.hasDatabase" -}}
+{{- if or .Values.database.url .Values.database.existingSecret }}true{{ end }}
+{{- end }}
+
+{{- define "intray.hasAuth" -}}
+{{- if or .Values.auth.tokens .Values.auth.existingSecret }}true{{ end }}
+{{- end }}

@@ -1,0 +1,113 @@
+"""Chart tests with the real Helm engine (helm-python-sdk bundles Helm's Go
+SDK): lint, render the default values and the production example, validate
+every manifest against the Kubernetes schemas offline, and check the facts
+that matter. Run by scripts/chart-test.sh."""
+
+import pathlib
+import sys
+
+import helm_python
+import kubernetes_validate
+import yaml
+
+CHART = pathlib.Path(__file__).parent / "intray"
+K8S_VERSION = "1.30.0"
+failures = []
+
+
+def check(cond, what):
+    if not cond:
+        failures.append(what)
+        print(f"FAIL: {what}")
+
+
+def values(path):
+    return yaml.safe_load((CHART / path).read_text())
+
+
+def render(overrides):
+    with helm_python.Chart.load(CHART) as chart:
+        chart.validate_schema(overrides)
+        out = chart.render(overrides, name="intray", namespace="jobs", is_install=True)
+    docs = []
+    for name, text in out.items():
+        if not name.endswith(".yaml"):
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                docs.append(doc)
+                try:
+                    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+                except kubernetes_validate.ValidationError as e:
+                    failures.append(f"{name}: {e}")
+                    print(f"FAIL: {name} does not validate: {e}")
+    return docs, out
+
+
+def kind(docs, k):
+    return [d for d in docs if d["kind"] == k]
+
+
+def rejected(overrides):
+    with helm_python.Chart.load(CHART) as chart:
+        try:
+            chart.validate_schema(overrides)
+        except helm_python.HelmValuesError:
+            return True
+    return False
+
+
+def main():
+    lint = helm_python.lint(CHART, strict=True)
+    print("lint:", lint)
+
+    defaults = values("values.yaml")
+    docs, out = render(defaults)
+    [dep] = kind(docs, "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    [c] = pod["containers"]
+    check(c["readinessProbe"].get("grpc", {}).get("port") == 50051, "readiness is a gRPC probe")
+    check(c["livenessProbe"].get("grpc", {}).get("port") == 50051, "liveness is a gRPC probe")
+    check(pod["securityContext"]["runAsNonRoot"] is True, "pod runs as non-root")
+    check(c["securityContext"]["readOnlyRootFilesystem"] is True, "read-only root filesystem")
+    [svc] = kind(docs, "Service")
+    check(svc["spec"]["ports"][0]["appProtocol"] == "grpc", "service port is appProtocol grpc")
+    check(not kind(docs, "Secret"), "no Secret without database URL or tokens")
+    check("authentication is OFF" in out.get("intray/templates/NOTES.txt", ""), "NOTES warn about open mode")
+
+    prod = values("values-production.yaml")
+    docs, out = render(prod)
+    [dep] = kind(docs, "Deployment")
+    [c] = dep["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in c["env"]}
+    check(env["INTRAY_DATABASE_URL"]["valueFrom"]["secretKeyRef"]["name"] == "intray-database",
+          "database URL from the existing secret")
+    check(env["INTRAY_AUTH_FILE"]["value"] == "/etc/intray/auth/tokens", "token file mounted")
+    check(not kind(docs, "Secret"), "secrets not inlined when existingSecret is set")
+    check(dep["spec"]["replicas"] == 3, "three replicas")
+    check(len(kind(docs, "PodDisruptionBudget")) == 1, "PDB rendered")
+    check("INTRAY_TLS_CERT" in env, "TLS configured")
+
+    inline = dict(defaults, database={"url": "postgres://u:p@db/intray"},
+                  auth={"tokens": "sha256:" + "a" * 64 + " acme producer\n"})
+    docs, _ = render(inline)
+    [secret] = kind(docs, "Secret")
+    check("DATABASE_URL" in secret["stringData"] and "tokens" in secret["stringData"],
+          "inline URL and tokens go to the chart's Secret")
+
+    check(rejected(dict(defaults, replicaCount=2)), "schema refuses SQLite with 2 replicas")
+    check(rejected(dict(defaults, replicaCount=2, database={"url": "sqlite:///x.db"})),
+          "schema refuses a SQLite URL with 2 replicas")
+    check(not rejected(dict(defaults, replicaCount=2, database={"existingSecret": "db"})),
+          "schema accepts 2 replicas on an existing secret")
+    check(rejected(dict(defaults, config={"INTRAY_DATABASE_URL": "postgres://inline"})),
+          "schema refuses the database URL inlined in config")
+
+    if failures:
+        print(f"{len(failures)} chart check(s) failed")
+        sys.exit(1)
+    print("chart: ok")
+
+
+if __name__ == "__main__":
+    main()
