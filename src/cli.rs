@@ -16,6 +16,17 @@ fn duration(s: &str) -> Result<Duration, humantime::DurationError> {
     humantime::parse_duration(s)
 }
 
+fn queue_cap(s: &str) -> Result<(String, u32), String> {
+    let (queue, cap) = s
+        .split_once('=')
+        .ok_or_else(|| format!("expected QUEUE=N, got {s:?}"))?;
+    let queue = crate::domain::validate::queue("queue", queue).map_err(|e| e.to_string())?;
+    let cap = cap
+        .parse()
+        .map_err(|_| format!("{cap:?} is not a number of jobs"))?;
+    Ok((queue, cap))
+}
+
 /// Where the database is.
 #[derive(Args, Debug, Clone)]
 pub struct DatabaseArgs {
@@ -92,6 +103,20 @@ pub struct ServeArgs {
     /// Most queued jobs per tenant and queue; Submit beyond it gets RESOURCE_EXHAUSTED.
     #[arg(long, env = "INTRAY_QUEUE_BOUND", default_value_t = 1_000_000)]
     pub queue_bound: u64,
+
+    /// Most running jobs of one tenant in one queue; no cap when unset.
+    #[arg(long, env = "INTRAY_MAX_RUNNING_PER_TENANT")]
+    pub max_running_per_tenant: Option<u32>,
+
+    /// Per-queue override of --max-running-per-tenant, as QUEUE=N; repeat or separate with commas.
+    #[arg(
+        long,
+        env = "INTRAY_QUEUE_MAX_RUNNING_PER_TENANT",
+        value_name = "QUEUE=N",
+        value_delimiter = ',',
+        value_parser = queue_cap
+    )]
+    pub queue_max_running_per_tenant: Vec<(String, u32)>,
 
     /// Token file: one `TOKEN TENANT ROLES` line per token (README,
     /// "Security"). Without it the server runs in open development mode.
@@ -191,6 +216,9 @@ impl ServeArgs {
         s.fallback_poll = self.fallback_poll;
         s.retention = self.retention;
         s.queue_bound = self.queue_bound;
+        s.max_running_per_tenant = self.max_running_per_tenant;
+        s.queue_max_running_per_tenant =
+            self.queue_max_running_per_tenant.iter().cloned().collect();
         s.auth_file = self.auth_file.clone();
         s.reload_interval = self.reload_interval;
         s.tls = match (&self.tls_cert, &self.tls_key) {

@@ -36,6 +36,10 @@ pub struct Settings {
     pub retention: Duration,
     /// Most queued jobs per tenant and queue; `Submit` beyond it is refused.
     pub queue_bound: u64,
+    /// Most running jobs of one tenant in one queue (`None`: no cap).
+    pub max_running_per_tenant: Option<u32>,
+    /// Per-queue overrides of `max_running_per_tenant`.
+    pub queue_max_running_per_tenant: std::collections::BTreeMap<String, u32>,
     /// Token file (see `auth::file`); `None` is open development mode.
     pub auth_file: Option<PathBuf>,
     /// How often the token file and TLS files are checked for changes.
@@ -95,6 +99,8 @@ impl Settings {
             fallback_poll: Duration::from_secs(1),
             retention: Duration::from_secs(7 * 24 * 3600),
             queue_bound: 1_000_000,
+            max_running_per_tenant: None,
+            queue_max_running_per_tenant: std::collections::BTreeMap::new(),
             auth_file: None,
             reload_interval: Duration::from_secs(5),
             tls: None,

@@ -30,6 +30,7 @@ backend_tests!(
     rate_limit_answers_resource_exhausted_with_retry_info,
     long_poll_outlives_the_call_timeout,
     oversized_request_is_refused_and_nothing_written,
+    only_admins_lease_across_tenants,
 );
 
 const ACME_PRODUCER: &str = "acme-producer-0123456789";
@@ -442,5 +443,58 @@ async fn oversized_request_is_refused_and_nothing_written(backend: Backend) {
     expect_code(res, Code::OutOfRange, "a request over the 16 MiB limit");
     let listed = acme.list(list_req()).await.expect("list").into_inner();
     assert!(listed.jobs.is_empty(), "nothing was written");
+    server.stop().await;
+}
+
+/// `Lease` with `all_tenants` reaches into every tenant: admins only.
+async fn only_admins_lease_across_tenants(backend: Backend) {
+    let (server, _dir, _) = start(backend, |_| {}).await;
+    let mut acme = jobs(&server, Some(ACME_PRODUCER), None);
+    let mut globex = jobs(&server, Some(GLOBEX_PRODUCER), None);
+    let acme_job = submit_as(&mut acme, "shared").await;
+    let globex_job = submit_as(&mut globex, "shared").await;
+    let shared = |token| pb::LeaseRequest {
+        all_tenants: true,
+        ..lease_req(token, "shared", 10, Duration::ZERO)
+    };
+
+    let mut acme_worker = workers(&server, Some(ACME_WORKER), None);
+    let res = acme_worker.lease(shared("w")).await;
+    expect_code(
+        res,
+        Code::PermissionDenied,
+        "a worker token leasing across tenants",
+    );
+
+    let mut fleet = workers(&server, Some(ADMIN), None);
+    let leased = fleet
+        .lease(shared("fleet"))
+        .await
+        .expect("admin leases across tenants")
+        .into_inner()
+        .jobs;
+    let mut got: Vec<(String, String)> = leased
+        .iter()
+        .map(|j| (j.tenant.clone(), j.job_id.clone()))
+        .collect();
+    got.sort();
+    let mut want = vec![
+        ("acme".to_string(), acme_job.id.clone()),
+        ("globex".to_string(), globex_job.id.clone()),
+    ];
+    want.sort();
+    assert_eq!(got, want);
+    for job in &leased {
+        fleet
+            .complete(req(&job.tenant, success_req(job, json!(null))))
+            .await
+            .expect("complete with the job's tenant");
+    }
+    let done = acme
+        .get(pb::GetJobRequest { id: acme_job.id })
+        .await
+        .expect("Get")
+        .into_inner();
+    assert_eq!(state(&done), JobState::Succeeded);
     server.stop().await;
 }

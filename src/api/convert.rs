@@ -182,6 +182,7 @@ pub fn leased_job(j: &Job) -> pb::LeasedJob {
         lease_expires_at: opt_timestamp(j.lease_expires_at),
         deadline: opt_timestamp(j.deadline),
         traceparent: String::new(),
+        tenant: j.tenant.clone(),
     }
 }
 
@@ -225,6 +226,7 @@ pub fn lease_input(r: pb::LeaseRequest) -> Result<LeaseInput> {
         queues: r.queues,
         kinds: r.kinds,
         max_jobs: r.max_jobs,
+        all_tenants: r.all_tenants,
     })
 }
 

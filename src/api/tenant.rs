@@ -3,7 +3,7 @@
 
 use tonic::{Request, Status};
 
-use crate::auth::{AuthError, Identity};
+use crate::auth::{AuthError, Identity, Role};
 
 /// The tenant of a request, from the [`Identity`] the auth layer attached.
 /// A request without one did not pass through the layer (a wiring mistake),
@@ -11,6 +11,20 @@ use crate::auth::{AuthError, Identity};
 pub fn tenant_of<T>(request: &Request<T>) -> Result<String, Status> {
     match request.extensions().get::<Identity>() {
         Some(identity) => Ok(identity.tenant.clone()),
+        None => Err(AuthError::MissingToken.into()),
+    }
+}
+
+/// Refuses a call that reaches across tenants (`method` names it) to anyone
+/// but an admin. Open mode makes every caller an admin.
+pub fn require_admin<T>(request: &Request<T>, method: &str) -> Result<(), Status> {
+    match request.extensions().get::<Identity>() {
+        Some(identity) if identity.roles.contains(Role::Admin) => Ok(()),
+        Some(identity) => Err(AuthError::Forbidden {
+            method: method.to_owned(),
+            roles: identity.roles,
+        }
+        .into()),
         None => Err(AuthError::MissingToken.into()),
     }
 }

@@ -11,7 +11,7 @@ use tonic::{Request, Response, Status};
 use super::Context;
 use super::convert;
 use super::status::item_error;
-use super::tenant::tenant_of;
+use super::tenant::{require_admin, tenant_of};
 use crate::domain::validate::{self, MAX_BATCH, ValidationError};
 use crate::domain::{CompleteSpec, Job, LeaseSpec};
 use crate::engine::notifier::{ANY_QUEUE, queue_key};
@@ -72,6 +72,16 @@ impl WorkersApi {
     async fn lease_or_wait(&self, tenant: &str, spec: &LeaseSpec) -> Result<Vec<Job>, StoreError> {
         let give_up = Instant::now() + spec.wait;
         let keys: HashSet<String> = spec.queues.iter().map(|q| queue_key(tenant, q)).collect();
+        // A worker of every tenant wakes for its queue names in any tenant.
+        let wakes = |key: &str| {
+            key == ANY_QUEUE
+                || if spec.all_tenants {
+                    key.split_once('/')
+                        .is_some_and(|(_, queue)| spec.queues.iter().any(|q| q == queue))
+                } else {
+                    keys.contains(key)
+                }
+        };
         // Subscribed before the first claim, so a submit that commits between
         // the claim and the wait still wakes us.
         let mut wakeups = self.ctx.notifier.subscribe_queues();
@@ -85,7 +95,7 @@ impl WorkersApi {
             loop {
                 tokio::select! {
                     message = wakeups.recv() => match message {
-                        Ok(key) if keys.contains(&*key) || &*key == ANY_QUEUE => break,
+                        Ok(key) if wakes(&key) => break,
                         Ok(_) => continue,
                         Err(RecvError::Lagged(_)) => break,
                         Err(RecvError::Closed) => {
@@ -122,6 +132,9 @@ impl WorkerService for WorkersApi {
         request: Request<pb::LeaseRequest>,
     ) -> Result<Response<pb::LeaseResponse>, Status> {
         let tenant = tenant_of(&request)?;
+        if request.get_ref().all_tenants {
+            require_admin(&request, "/intray.v1.WorkerService/Lease with all_tenants")?;
+        }
         let spec = validate::lease(
             convert::lease_input(request.into_inner())?,
             &self.ctx.limits,

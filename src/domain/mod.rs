@@ -239,6 +239,8 @@ pub struct LeaseSpec {
     pub max_jobs: u32,
     pub lease_duration: Duration,
     pub wait: Duration,
+    /// Claim from every tenant's queues of these names, fairly.
+    pub all_tenants: bool,
 }
 
 /// A validated `Heartbeat` call.

@@ -289,6 +289,7 @@ pub struct LeaseInput {
     pub max_jobs: Option<u32>,
     pub lease_duration: Option<Duration>,
     pub wait: Option<Duration>,
+    pub all_tenants: bool,
 }
 
 fn worker_id(value: &str) -> Result<String> {
@@ -358,6 +359,7 @@ pub fn lease(input: LeaseInput, limits: &Limits) -> Result<LeaseSpec> {
         max_jobs,
         lease_duration,
         wait,
+        all_tenants: input.all_tenants,
     })
 }
 

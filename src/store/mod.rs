@@ -47,6 +47,33 @@ pub struct Stats {
     pub workers: Vec<WorkerSeen>,
 }
 
+/// Caps on the running jobs of one tenant in one queue, applied by the
+/// claim itself so that they hold across replicas.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunningCaps {
+    /// Cap of queues without an override (`i64::MAX`: none).
+    pub default: i64,
+    /// Per-queue overrides.
+    pub queues: Vec<String>,
+    pub caps: Vec<i64>,
+}
+
+impl RunningCaps {
+    /// The caps configured in `settings`.
+    pub fn from_settings(settings: &Settings) -> Self {
+        let (queues, caps) = settings
+            .queue_max_running_per_tenant
+            .iter()
+            .map(|(q, cap)| (q.clone(), i64::from(*cap)))
+            .unzip();
+        RunningCaps {
+            default: settings.max_running_per_tenant.map_or(i64::MAX, i64::from),
+            queues,
+            caps,
+        }
+    }
+}
+
 /// What the reaper did in one pass.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Reaped {
@@ -119,6 +146,9 @@ pub trait Store: Send + Sync + 'static {
 
     /// One claim: up to `spec.max_jobs` runnable jobs, now `Running` under a
     /// fresh lease token. Empty when nothing is runnable (no waiting here).
+    /// With `spec.all_tenants` it claims from every tenant (ignoring
+    /// `tenant`), the tenant with the fewest running jobs first; either way
+    /// no tenant exceeds its running cap in a queue.
     async fn lease(&self, tenant: &str, spec: &LeaseSpec) -> StoreResult<Vec<Job>>;
 
     /// Records that a worker asked for work, for `Stats`.

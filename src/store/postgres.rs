@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::changes::{CHANNEL, Changes, wake_from_payload};
-use super::{Reaped, Retried, Stats, Store, StoreError, StoreResult, Submitted};
+use super::{Reaped, Retried, RunningCaps, Stats, Store, StoreError, StoreResult, Submitted};
 use crate::config::Settings;
 use crate::domain::transition::{self, TransitionError};
 use crate::domain::{
@@ -41,6 +41,7 @@ pub async fn migrate(url: &str) -> StoreResult<()> {
 pub struct PgStore {
     pool: PgPool,
     notifier: Arc<Notifier>,
+    caps: RunningCaps,
     /// Stops the LISTEN task when the store is dropped.
     listener_stop: CancellationToken,
 }
@@ -234,6 +235,7 @@ impl PgStore {
         Ok(PgStore {
             pool,
             notifier,
+            caps: RunningCaps::from_settings(settings),
             listener_stop,
         })
     }
@@ -615,14 +617,46 @@ impl Store for PgStore {
     #[tracing::instrument(name = "store.lease", skip_all, fields(worker_id = %spec.worker_id, max_jobs = spec.max_jobs))]
     async fn lease(&self, tenant: &str, spec: &LeaseSpec) -> StoreResult<Vec<Job>> {
         let mut tx = self.pool.begin().await?;
-        // Per queue, the claim index gives the best candidates in order; the
-        // outer ORDER BY merges queues. A lease never outlives the deadline.
+        let only_tenant = (!spec.all_tenants).then_some(tenant);
+        // Tenants: the caller's, or every tenant with queued jobs, found by a
+        // skip scan over the claim index (one probe per tenant). Per tenant
+        // and queue the claim index gives the best candidates in order. Each
+        // candidate's load is its tenant's running jobs plus its rank, so
+        // tenants far below their share go first and interleave; within a
+        // tenant that is priority order. A candidate that would lift its
+        // tenant above the queue's cap is skipped. A lease never outlives
+        // the deadline.
         let rows = sqlx::query(
-            "WITH picked AS (
-                SELECT c.id FROM unnest($2::text[]) AS q(name)
+            "WITH RECURSIVE seen(tenant) AS (
+                SELECT (SELECT tenant FROM jobs WHERE state = 'queued' AND $1::text IS NULL
+                        ORDER BY tenant LIMIT 1)
+                UNION ALL
+                SELECT (SELECT j.tenant FROM jobs j WHERE j.state = 'queued' AND j.tenant > s.tenant
+                        ORDER BY j.tenant LIMIT 1)
+                FROM seen s WHERE s.tenant IS NOT NULL
+             ), tenants AS (
+                SELECT tenant FROM seen WHERE tenant IS NOT NULL
+                UNION ALL
+                SELECT $1::text WHERE $1::text IS NOT NULL
+             ), running AS (
+                SELECT tenant, queue, count(*) AS n FROM jobs
+                WHERE state = 'running' AND ($1::text IS NULL OR tenant = $1)
+                GROUP BY tenant, queue
+             ), candidates AS (
+                SELECT c.id, c.priority, c.run_at,
+                    COALESCE((SELECT sum(r.n) FROM running r WHERE r.tenant = t.tenant), 0)
+                      + row_number() OVER (PARTITION BY t.tenant
+                                           ORDER BY c.priority DESC, c.run_at, c.id) AS tenant_load,
+                    COALESCE((SELECT r.n FROM running r WHERE r.tenant = t.tenant AND r.queue = q.name), 0)
+                      + row_number() OVER (PARTITION BY t.tenant, q.name
+                                           ORDER BY c.priority DESC, c.run_at, c.id) AS queue_load,
+                    COALESCE((SELECT o.cap FROM unnest($7::text[], $8::bigint[]) AS o(queue, cap)
+                              WHERE o.queue = q.name), $9) AS cap
+                FROM tenants t
+                CROSS JOIN unnest($2::text[]) AS q(name)
                 CROSS JOIN LATERAL (
                     SELECT id, priority, run_at FROM jobs
-                    WHERE tenant = $1 AND queue = q.name AND state = 'queued' AND run_at <= now()
+                    WHERE tenant = t.tenant AND queue = q.name AND state = 'queued' AND run_at <= now()
                       AND (cardinality($3::text[]) = 0 OR kind = ANY($3))
                       AND (deadline IS NULL OR deadline > now())
                     ORDER BY priority DESC, run_at, id
@@ -630,9 +664,11 @@ impl Store for PgStore {
                     FOR UPDATE SKIP LOCKED
                 ) c
                 WHERE NOT EXISTS (
-                    SELECT 1 FROM paused_queues p WHERE p.tenant = $1 AND p.queue = q.name
+                    SELECT 1 FROM paused_queues p WHERE p.tenant = t.tenant AND p.queue = q.name
                 )
-                ORDER BY c.priority DESC, c.run_at, c.id
+             ), picked AS (
+                SELECT id FROM candidates WHERE queue_load <= cap
+                ORDER BY tenant_load, priority DESC, run_at, id
                 LIMIT $4
              ), upd AS (
                 UPDATE jobs j SET state = 'running', attempt = j.attempt + 1, lease_owner = $5,
@@ -651,12 +687,15 @@ impl Store for PgStore {
              )
              SELECT * FROM upd",
         )
-        .bind(tenant)
+        .bind(only_tenant)
         .bind(&spec.queues)
         .bind(&spec.kinds)
         .bind(i64::from(spec.max_jobs))
         .bind(&spec.worker_id)
         .bind(millis(spec.lease_duration))
+        .bind(&self.caps.queues)
+        .bind(&self.caps.caps)
+        .bind(self.caps.default)
         .fetch_all(&mut *tx)
         .await?;
         let mut jobs = rows

@@ -22,7 +22,7 @@ use sqlx::{Row, SqliteConnection, Transaction};
 use uuid::Uuid;
 
 use super::changes::Changes;
-use super::{Reaped, Retried, Stats, Store, StoreError, StoreResult, Submitted};
+use super::{Reaped, Retried, RunningCaps, Stats, Store, StoreError, StoreResult, Submitted};
 use crate::config::Settings;
 use crate::domain::transition::{self, TransitionError};
 use crate::domain::{
@@ -60,6 +60,7 @@ pub struct SqliteStore {
     writer: SqlitePool,
     reader: SqlitePool,
     notifier: Arc<Notifier>,
+    caps: RunningCaps,
 }
 
 type Tx = Transaction<'static, sqlx::Sqlite>;
@@ -277,6 +278,7 @@ impl SqliteStore {
             writer,
             reader,
             notifier,
+            caps: RunningCaps::from_settings(settings),
         })
     }
 
@@ -647,33 +649,80 @@ impl Store for SqliteStore {
     async fn lease(&self, tenant: &str, spec: &LeaseSpec) -> StoreResult<Vec<Job>> {
         let mut tx = self.begin().await?;
         let now = ms(Utc::now());
+        let only_tenant = (!spec.all_tenants).then_some(tenant);
+        let caps: serde_json::Map<String, Value> = self
+            .caps
+            .queues
+            .iter()
+            .zip(&self.caps.caps)
+            .map(|(q, cap)| (q.clone(), Value::from(*cap)))
+            .collect();
+        // The same claim as PostgreSQL's (see there): tenants by a skip scan,
+        // the best candidates per tenant and queue, fewest running first,
+        // running caps respected. The single writer makes it race-free.
         let rows = sqlx::query(
-            "UPDATE jobs SET state = 'running', attempt = attempt + 1, lease_owner = ?5,
+            "WITH RECURSIVE seen(tenant) AS (
+                SELECT (SELECT tenant FROM jobs WHERE state = 'queued' AND ?1 IS NULL
+                        ORDER BY tenant LIMIT 1)
+                UNION ALL
+                SELECT (SELECT j.tenant FROM jobs j WHERE j.state = 'queued' AND j.tenant > s.tenant
+                        ORDER BY j.tenant LIMIT 1)
+                FROM seen s WHERE s.tenant IS NOT NULL
+             ), tenants AS (
+                SELECT tenant FROM seen WHERE tenant IS NOT NULL
+                UNION ALL
+                SELECT ?1 WHERE ?1 IS NOT NULL
+             ), pairs AS (
+                SELECT t.tenant, q.value AS queue FROM tenants t, json_each(?2) q
+                WHERE NOT EXISTS (
+                    SELECT 1 FROM paused_queues p WHERE p.tenant = t.tenant AND p.queue = q.value
+                )
+             ), running AS (
+                SELECT tenant, queue, count(*) AS n FROM jobs
+                WHERE state = 'running' AND (?1 IS NULL OR tenant = ?1)
+                GROUP BY tenant, queue
+             ), candidates AS (
+                SELECT j.id, j.priority, j.run_at,
+                    coalesce((SELECT sum(r.n) FROM running r WHERE r.tenant = j.tenant), 0)
+                      + row_number() OVER (PARTITION BY j.tenant
+                                           ORDER BY j.priority DESC, j.run_at, j.id) AS tenant_load,
+                    coalesce((SELECT r.n FROM running r WHERE r.tenant = j.tenant AND r.queue = j.queue), 0)
+                      + row_number() OVER (PARTITION BY j.tenant, j.queue
+                                           ORDER BY j.priority DESC, j.run_at, j.id) AS queue_load,
+                    coalesce((SELECT c.value FROM json_each(?8) c WHERE c.key = j.queue), ?9) AS cap
+                FROM pairs p
+                JOIN jobs j ON j.id IN (
+                    SELECT id FROM jobs
+                    WHERE tenant = p.tenant AND queue = p.queue AND state = 'queued' AND run_at <= ?6
+                      AND (?3 = '[]' OR kind IN (SELECT value FROM json_each(?3)))
+                      AND (deadline IS NULL OR deadline > ?6)
+                    ORDER BY priority DESC, run_at, id
+                    LIMIT ?4
+                )
+             ), picked AS (
+                SELECT id FROM candidates WHERE queue_load <= cap
+                ORDER BY tenant_load, priority DESC, run_at, id
+                LIMIT ?4
+             )
+             UPDATE jobs SET state = 'running', attempt = attempt + 1, lease_owner = ?5,
                 lease_token = lower(hex(randomblob(16))),
                 lease_expires_at = min(?6 + ?7, coalesce(deadline, ?6 + ?7)),
                 started_at = coalesce(started_at, ?6),
                 updated_at = max(updated_at, ?6),
                 progress = 0,
                 event_seq = event_seq + 1
-             WHERE id IN (
-                SELECT id FROM jobs
-                WHERE tenant = ?1 AND state = 'queued' AND run_at <= ?6
-                  AND queue IN (SELECT value FROM json_each(?2))
-                  AND queue NOT IN (SELECT queue FROM paused_queues WHERE tenant = ?1)
-                  AND (?3 = '[]' OR kind IN (SELECT value FROM json_each(?3)))
-                  AND (deadline IS NULL OR deadline > ?6)
-                ORDER BY priority DESC, run_at, id
-                LIMIT ?4
-             )
+             WHERE id IN (SELECT id FROM picked)
              RETURNING *",
         )
-        .bind(tenant)
+        .bind(only_tenant)
         .bind(to_json(&spec.queues))
         .bind(to_json(&spec.kinds))
         .bind(i64::from(spec.max_jobs))
         .bind(&spec.worker_id)
         .bind(now)
         .bind(duration_ms(spec.lease_duration))
+        .bind(to_json(&caps))
+        .bind(self.caps.default)
         .fetch_all(&mut *tx)
         .await?;
         let mut jobs = rows

@@ -152,6 +152,7 @@ async fn lease(shared: &Shared, max_jobs: usize) -> Result<Vec<pb::LeasedJob>, t
         max_jobs: Some(u32::try_from(max_jobs).unwrap_or(1)),
         lease_duration: Some(config.lease_duration.into()),
         wait: Some(config.poll_wait.into()),
+        all_tenants: false,
     });
     request.set_timeout(config.poll_wait + LEASE_CALL_SLACK);
     let mut client = shared.client.clone();

@@ -359,7 +359,8 @@ async fn connect(url: &str) -> Result<Channel, tonic::transport::Error> {
 // Tenant metadata
 // ---------------------------------------------------------------------------
 
-/// Adds `x-intray-tenant` to every request (nothing when `None`).
+/// Adds `x-intray-tenant` to every request that does not name a tenant
+/// itself (nothing when `None`).
 #[derive(Clone)]
 pub struct Tenant(Option<AsciiMetadataValue>);
 
@@ -373,7 +374,9 @@ impl Tenant {
 
 impl Interceptor for Tenant {
     fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, Status> {
-        if let Some(t) = &self.0 {
+        if let Some(t) = &self.0
+            && !req.metadata().contains_key(TENANT_HEADER)
+        {
             req.metadata_mut().insert(TENANT_HEADER, t.clone());
         }
         Ok(req)
