@@ -177,6 +177,22 @@ pub struct ServeArgs {
     /// How long a PING may go unanswered before the connection is closed.
     #[arg(long, env = "INTRAY_HTTP2_KEEPALIVE_TIMEOUT", default_value = "10s", value_parser = duration)]
     pub http2_keepalive_timeout: Duration,
+
+    /// Address of the HTTP port (GET /metrics).
+    #[arg(long, env = "INTRAY_HTTP_ADDR", default_value = "0.0.0.0:8080")]
+    pub http_addr: SocketAddr,
+
+    /// Log lines as `text` or `json` (filtered by RUST_LOG).
+    #[arg(long, env = "INTRAY_LOG_FORMAT", default_value = "text")]
+    pub log_format: crate::telemetry::LogFormat,
+
+    /// An attempt running longer than this logs a warning with its duration.
+    #[arg(long, env = "INTRAY_SLOW_ATTEMPT", default_value = "8s", value_parser = duration)]
+    pub slow_attempt: Duration,
+
+    /// How often the queue gauges of /metrics are read from the database.
+    #[arg(long, env = "INTRAY_METRICS_REFRESH", default_value = "15s", value_parser = duration)]
+    pub metrics_refresh: Duration,
 }
 
 impl ServeArgs {
@@ -243,6 +259,11 @@ impl ServeArgs {
         });
         s.http2_keepalive_interval = self.http2_keepalive_interval;
         s.http2_keepalive_timeout = self.http2_keepalive_timeout;
+        if self.metrics_refresh.is_zero() {
+            return Err("--metrics-refresh must be above zero".into());
+        }
+        s.slow_attempt = self.slow_attempt;
+        s.metrics_refresh = self.metrics_refresh;
         Ok(s)
     }
 }

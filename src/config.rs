@@ -59,6 +59,13 @@ pub struct Settings {
     pub http2_keepalive_interval: Duration,
     /// How long a PING may go unanswered before the connection is closed.
     pub http2_keepalive_timeout: Duration,
+    /// The OTLP trace pipeline (a handle, not a flag: built from the
+    /// `OTEL_*` variables by the binary, by tests from code). Off by default.
+    pub tracing: crate::telemetry::Tracing,
+    /// An attempt running longer than this logs a warning.
+    pub slow_attempt: Duration,
+    /// How often the database gauges of `/metrics` are refreshed.
+    pub metrics_refresh: Duration,
 }
 
 /// Certificate files of the gRPC port. Reloaded when they change.
@@ -109,6 +116,9 @@ impl Settings {
             rate_limit: None,
             http2_keepalive_interval: Duration::from_secs(30),
             http2_keepalive_timeout: Duration::from_secs(10),
+            tracing: crate::telemetry::Tracing::off(),
+            slow_attempt: Duration::from_secs(8),
+            metrics_refresh: Duration::from_secs(15),
         }
     }
 }

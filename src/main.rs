@@ -61,8 +61,16 @@ async fn main() -> ExitCode {
 }
 
 async fn serve(args: ServeArgs) -> ExitCode {
-    intray::telemetry::init_logging();
-    let settings = match args.settings() {
+    // Built inside the runtime: the OTLP exporter's channel needs it.
+    let tracing_pipeline = match intray::telemetry::Tracing::from_env() {
+        Ok(pipeline) => pipeline,
+        Err(err) => {
+            eprintln!("error: {err}");
+            return ExitCode::from(2);
+        }
+    };
+    intray::telemetry::init(args.log_format, &tracing_pipeline);
+    let mut settings = match args.settings() {
         Ok(settings) => settings,
         Err(err) => {
             eprintln!("error: {err}");
@@ -76,8 +84,23 @@ async fn serve(args: ServeArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    tracing::info!(grpc_addr = %args.grpc_addr, database = %redact(&settings.database_url), "intray serving");
-    match intray::server::run(settings, listener, shutdown_signal()).await {
+    let http = match tokio::net::TcpListener::bind(args.http_addr).await {
+        Ok(listener) => listener,
+        Err(err) => {
+            eprintln!("error: cannot listen on {}: {err}", args.http_addr);
+            return ExitCode::FAILURE;
+        }
+    };
+    settings.tracing = tracing_pipeline.clone();
+    tracing::info!(
+        grpc_addr = %args.grpc_addr, http_addr = %args.http_addr,
+        database = %redact(&settings.database_url),
+        otlp = tracing_pipeline.tracer().is_some(), "intray serving"
+    );
+    let served = intray::server::run_with(settings, listener, Some(http), shutdown_signal()).await;
+    // Spans of attempts that ended during the drain are exported now.
+    tracing_pipeline.shutdown().await;
+    match served {
         Ok(()) => {
             tracing::info!("stopped");
             ExitCode::SUCCESS

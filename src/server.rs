@@ -14,11 +14,14 @@ use crate::api::{Context, JobsApi, WorkersApi};
 use crate::auth::file::TokenFileError;
 use crate::auth::{AuthLayer, TokenSource};
 use crate::config::Settings;
-use crate::engine::{notifier::Notifier, reaper};
+use crate::engine::observer::Observer;
+use crate::engine::{gauges, notifier::Notifier, reaper};
 use crate::pb::job_service_server::JobServiceServer;
 use crate::pb::worker_service_server::WorkerServiceServer;
 use crate::protect::{CallLimitLayer, RateLimitLayer};
 use crate::store::{self, StoreError};
+use crate::telemetry::Metrics;
+use crate::telemetry::rpc::RpcLayer;
 use crate::tls::{TlsError, TlsState};
 
 /// Largest request a service accepts: a full `SubmitBatch` of typical jobs.
@@ -44,6 +47,8 @@ pub enum ServerError {
     Auth(#[from] TokenFileError),
     #[error("tls: {0}")]
     Tls(#[from] TlsError),
+    #[error("http port: {0}")]
+    Http(#[from] std::io::Error),
 }
 
 /// The tokens of the configured file, or open mode with a warning that
@@ -69,13 +74,24 @@ fn token_source(settings: &Settings) -> Result<TokenSource, TokenFileError> {
     }
 }
 
-/// Serves the gRPC API on `listener` until `shutdown` completes: opens and
-/// migrates the database, runs the reaper, and on shutdown reports
-/// NOT_SERVING, ends long-polls and watch streams, and lets in-flight calls
-/// finish.
+/// Serves the gRPC API on `listener` until `shutdown` completes, without
+/// the HTTP port: see [`run_with`].
 pub async fn run(
     settings: Settings,
     listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    run_with(settings, listener, None, shutdown).await
+}
+
+/// Serves the gRPC API on `listener`, and `GET /metrics` on `http` when
+/// given, until `shutdown` completes: opens and migrates the database, runs
+/// the reaper and the metrics timer, and on shutdown reports NOT_SERVING,
+/// ends long-polls and watch streams, and lets in-flight calls finish.
+pub async fn run_with(
+    settings: Settings,
+    listener: TcpListener,
+    http: Option<TcpListener>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServerError> {
     // Files first: a bad token file or certificate fails before migrations.
@@ -89,7 +105,19 @@ pub async fn run(
     let stop = CancellationToken::new();
     let reaper_interval = settings.reaper_interval;
     let reload_interval = settings.reload_interval;
+    let metrics = Arc::new(Metrics::new());
+    let observer = Arc::new(Observer::new(
+        settings.tracing.clone(),
+        Arc::clone(&metrics),
+        settings.slow_attempt,
+    ));
+    let metrics_refresh = settings.metrics_refresh;
+    // Outermost: refused and timed-out calls are traced and counted too.
     let layers = tower::ServiceBuilder::new()
+        .layer(RpcLayer::new(
+            settings.tracing.clone(),
+            Arc::clone(&metrics),
+        ))
         .layer(AuthLayer::new(Arc::clone(&tokens)))
         .layer(RateLimitLayer::new(settings.rate_limit))
         .layer(CallLimitLayer::new(
@@ -101,8 +129,14 @@ pub async fn run(
         settings.http2_keepalive_timeout,
     );
     let retention = settings.retention;
-    let ctx = Context::new(Arc::clone(&store), notifier, settings, stop.clone())
-        .map_err(|e| ServerError::Settings(e.to_string()))?;
+    let ctx = Context::new(
+        Arc::clone(&store),
+        notifier,
+        Arc::clone(&observer),
+        settings,
+        stop.clone(),
+    )
+    .map_err(|e| ServerError::Settings(e.to_string()))?;
 
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<JobServiceServer<JobsApi>>().await;
@@ -131,8 +165,22 @@ pub async fn run(
         Arc::clone(&store),
         reaper_interval,
         retention,
+        observer,
         stop.clone(),
     ));
+    let gauges_task = tokio::spawn(gauges::run(
+        Arc::clone(&store),
+        Arc::clone(&metrics),
+        metrics_refresh,
+        stop.clone(),
+    ));
+    let http_task = http.map(|listener| {
+        tokio::spawn(crate::telemetry::http::serve(
+            listener,
+            metrics,
+            stop.clone().cancelled_owned(),
+        ))
+    });
     let mut watchers = Vec::new();
     if let Some(path) = tokens.path() {
         let tokens = Arc::clone(&tokens);
@@ -210,11 +258,25 @@ pub async fn run(
     if let Err(err) = reaper_task.await {
         tracing::error!(error = %err, "reaper task failed");
     }
+    if let Err(err) = gauges_task.await {
+        tracing::error!(error = %err, "metrics timer task failed");
+    }
+    let http_served = match http_task {
+        Some(task) => match task.await {
+            Ok(result) => result,
+            Err(err) => {
+                tracing::error!(error = %err, "http task failed");
+                Ok(())
+            }
+        },
+        None => Ok(()),
+    };
     for watcher in watchers {
         if let Err(err) = watcher.await {
             tracing::error!(error = %err, "file watch task failed");
         }
     }
     served?;
+    http_served?;
     Ok(())
 }

@@ -11,6 +11,7 @@ use crate::domain::validate::{
 use crate::domain::{EventType, Job, JobEvent, JobState, QueueStats, WorkerSeen};
 use crate::pb;
 use crate::store::Stats;
+use crate::telemetry::TraceParent;
 
 type Result<T> = std::result::Result<T, ValidationError>;
 
@@ -181,7 +182,14 @@ pub fn leased_job(j: &Job) -> pb::LeasedJob {
         lease_token: j.lease_token.clone().unwrap_or_default(),
         lease_expires_at: opt_timestamp(j.lease_expires_at),
         deadline: opt_timestamp(j.deadline),
-        traceparent: String::new(),
+        // The attempt span's context, so the worker's spans nest under it.
+        traceparent: j
+            .lease_token
+            .as_deref()
+            .map(|token| {
+                TraceParent::for_attempt(j.id, j.trace_parent.as_deref(), token).to_string()
+            })
+            .unwrap_or_default(),
         tenant: j.tenant.clone(),
     }
 }

@@ -20,6 +20,7 @@ use crate::domain::validate::{self, MAX_BATCH, ValidationError};
 use crate::pb;
 use crate::pb::job_service_server::JobService;
 use crate::store::{Store, StoreError};
+use crate::telemetry::rpc::CallTrace;
 
 /// Events fetched per read of a watched job.
 const WATCH_BATCH: u32 = 500;
@@ -52,6 +53,17 @@ impl JobsApi {
     }
 }
 
+/// The call's trace context as a `traceparent`, stored with submitted jobs
+/// (not part of their idempotency hash: a retried submit may come from
+/// another trace).
+fn call_trace<T>(request: &Request<T>) -> Option<String> {
+    request
+        .extensions()
+        .get::<CallTrace>()
+        .and_then(|t| t.0)
+        .map(|t| t.to_string())
+}
+
 fn job_id(id: &str) -> Result<Uuid, Status> {
     Ok(validate::job_id("id", id)?)
 }
@@ -65,7 +77,9 @@ impl JobService for JobsApi {
         request: Request<pb::SubmitRequest>,
     ) -> Result<Response<pb::SubmitResponse>, Status> {
         let tenant = tenant_of(&request)?;
-        let new = self.validate_submit(request.into_inner())?;
+        let trace_parent = call_trace(&request);
+        let mut new = self.validate_submit(request.into_inner())?;
+        new.trace_parent = trace_parent;
         self.depths
             .admit(&*self.ctx.store, &tenant, &new.queue)
             .await?;
@@ -73,6 +87,9 @@ impl JobService for JobsApi {
         let submitted = results
             .pop()
             .ok_or_else(|| Status::internal("internal error"))??;
+        if submitted.created {
+            self.ctx.observer.submitted(&submitted.job);
+        }
         Ok(Response::new(pb::SubmitResponse {
             job: Some(convert::job(&submitted.job)),
             created: submitted.created,
@@ -84,6 +101,7 @@ impl JobService for JobsApi {
         request: Request<pb::SubmitBatchRequest>,
     ) -> Result<Response<pb::SubmitBatchResponse>, Status> {
         let tenant = tenant_of(&request)?;
+        let trace_parent = call_trace(&request);
         let jobs = request.into_inner().jobs;
         if jobs.is_empty() || jobs.len() > MAX_BATCH {
             return Err(ValidationError::new("jobs", "send 1..=1000 jobs").into());
@@ -118,7 +136,16 @@ impl JobService for JobsApi {
                 ))),
             }
         }
-        let mut stored = self.ctx.store.submit(&tenant, valid).await?.into_iter();
+        for new in &mut valid {
+            new.trace_parent.clone_from(&trace_parent);
+        }
+        let stored = self.ctx.store.submit(&tenant, valid).await?;
+        for submitted in stored.iter().flatten() {
+            if submitted.created {
+                self.ctx.observer.submitted(&submitted.job);
+            }
+        }
+        let mut stored = stored.into_iter();
         let results = answers
             .into_iter()
             .map(|answer| {
@@ -160,6 +187,7 @@ impl JobService for JobsApi {
             .store
             .cancel(&tenant, id, reason, self.ctx.settings.cancel_grace)
             .await?;
+        self.ctx.observer.cancelled(&job);
         Ok(Response::new(convert::job(&job)))
     }
 
@@ -223,6 +251,7 @@ impl JobService for JobsApi {
                     }));
                 }
                 let job = self.ctx.store.retry_one(&tenant, id).await?;
+                self.ctx.observer.replayed(&job);
                 Ok(Response::new(pb::RetryJobResponse {
                     retried: vec![job.id.to_string()],
                     matched: 1,

@@ -20,14 +20,17 @@ use crate::config::Settings;
 use crate::domain::Backoff;
 use crate::domain::validate::Limits;
 use crate::engine::notifier::Notifier;
+use crate::engine::observer::Observer;
 use crate::store::Store;
 
-/// What every service needs: the store, the notifier, the settings, and a
-/// token that ends long-polls and streams at shutdown.
+/// What every service needs: the store, the notifier, the observer
+/// (logs, spans, metrics), the settings, and a token that ends long-polls
+/// and streams at shutdown.
 #[derive(Clone)]
 pub struct Context {
     pub store: Arc<dyn Store>,
     pub notifier: Arc<Notifier>,
+    pub observer: Arc<Observer>,
     pub settings: Arc<Settings>,
     pub limits: Limits,
     pub shutdown: CancellationToken,
@@ -38,6 +41,7 @@ impl Context {
     pub fn new(
         store: Arc<dyn Store>,
         notifier: Arc<Notifier>,
+        observer: Arc<Observer>,
         settings: Settings,
         shutdown: CancellationToken,
     ) -> Result<Context, crate::domain::backoff::BackoffError> {
@@ -51,6 +55,7 @@ impl Context {
         Ok(Context {
             store,
             notifier,
+            observer,
             settings: Arc::new(settings),
             limits,
             shutdown,

@@ -140,7 +140,13 @@ impl WorkerService for WorkersApi {
             &self.ctx.limits,
         )?;
         self.touch_worker(&tenant, &spec).await;
-        let jobs = self.lease_or_wait(&tenant, &spec).await?;
+        let jobs = if spec.wait.is_zero() {
+            self.lease_or_wait(&tenant, &spec).await?
+        } else {
+            let _waiting = self.ctx.observer.metrics().long_poll();
+            self.lease_or_wait(&tenant, &spec).await?
+        };
+        self.ctx.observer.leased(&jobs);
         Ok(Response::new(pb::LeaseResponse {
             jobs: jobs.iter().map(convert::leased_job).collect(),
         }))
@@ -169,11 +175,12 @@ impl WorkerService for WorkersApi {
         let tenant = tenant_of(&request)?;
         let spec = self.validate_complete(request.into_inner())?;
         let mut results = self.ctx.store.complete(&tenant, vec![spec]).await?;
-        let job = results
+        let ended = results
             .pop()
             .ok_or_else(|| Status::internal("internal error"))??;
+        self.ctx.observer.ended(&ended);
         Ok(Response::new(pb::CompleteResponse {
-            job: Some(convert::job(&job)),
+            job: Some(convert::job(&ended.job)),
         }))
     }
 
@@ -207,7 +214,10 @@ impl WorkerService for WorkersApi {
             .map(|answer| {
                 let result = answer.or_else(|| {
                     stored.next().map(|r| match r {
-                        Ok(job) => Item::Job(convert::job(&job)),
+                        Ok(ended) => {
+                            self.ctx.observer.ended(&ended);
+                            Item::Job(convert::job(&ended.job))
+                        }
                         Err(e) => Item::Error(item_error(e)),
                     })
                 });

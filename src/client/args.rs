@@ -181,6 +181,11 @@ pub struct GetArgs {
     /// Job id (UUID).
     #[arg(value_name = "ID", value_parser = parse_job_id)]
     pub id: String,
+
+    /// Also print the job's event history as a timeline (times, durations
+    /// between events, attempts, workers, errors).
+    #[arg(long)]
+    pub events: bool,
 }
 
 /// Arguments of `intray cancel`.

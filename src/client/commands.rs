@@ -55,14 +55,34 @@ async fn execute(opts: ClientOpts, cmd: ClientCommand) -> Result<(), ClientError
     match cmd {
         ClientCommand::Work(args) => super::work::run(&opts, args).await,
         ClientCommand::Submit(args) => submit(&opts, tenant, json, *args).await,
-        ClientCommand::Get(GetArgs { id }) => {
+        ClientCommand::Get(GetArgs { id, events }) => {
             let mut session = Session::connect(&opts, tenant).await?;
-            let request = session.request(GetJobRequest { id });
+            let request = session.request(GetJobRequest { id: id.clone() });
             let job = session.client.get(request).await?.into_inner();
+            if !events {
+                return if json {
+                    print_json(&job, &[])
+                } else {
+                    print_text(|out| print::write_job(out, &job))
+                };
+            }
+            let events = history(&mut session, id).await?;
             if json {
-                print_json(&job, &[])
+                let value = serde_json::json!({
+                    "job": print::json_value(&job, &[])?,
+                    "events": events
+                        .iter()
+                        .map(|e| print::json_value(e, &[]))
+                        .collect::<Result<Vec<_>, _>>()?,
+                });
+                let text = serde_json::to_string_pretty(&value)?;
+                print_text(|out| writeln!(out, "{text}"))
             } else {
-                print_text(|out| print::write_job(out, &job))
+                print_text(|out| {
+                    print::write_job(out, &job)?;
+                    writeln!(out)?;
+                    print::write_timeline(out, &events)
+                })
             }
         }
         ClientCommand::Cancel(CancelArgs { id, reason }) => {
@@ -392,6 +412,38 @@ async fn list(
 
 /// Streams the events of a job until the job has ended.
 ///
+/// How long the history stream may stay quiet before the history is taken
+/// as complete: the server sends stored events in bursts straight from the
+/// database, then waits for new ones.
+const HISTORY_IDLE: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// A job's events so far: `WatchJob` from the start, until its terminal
+/// event or until the stream goes quiet (the job is still live).
+async fn history(
+    session: &mut Session,
+    id: String,
+) -> Result<Vec<crate::pb::JobEvent>, ClientError> {
+    let request = session.request(WatchJobRequest {
+        id,
+        after_sequence: 0,
+    });
+    let mut stream = session.client.watch_job(request).await?.into_inner();
+    let mut events = Vec::new();
+    while let Ok(next) = tokio::time::timeout(HISTORY_IDLE, stream.message()).await {
+        match next? {
+            Some(event) => {
+                let done = is_terminal(event.state);
+                events.push(event);
+                if done {
+                    break;
+                }
+            }
+            None => break,
+        }
+    }
+    Ok(events)
+}
+
 /// The server ends the stream after the terminal event. When the stream
 /// breaks off before that (a restart, a lost connection, a server shutting
 /// down), this reconnects after the last event printed: the server's

@@ -253,6 +253,125 @@ pub fn write_event(out: &mut impl Write, event: &JobEvent) -> io::Result<()> {
     writeln!(out, "{}", line.trim_end())
 }
 
+/// The time of an event, when it has a valid one.
+fn event_time(event: &JobEvent) -> Option<DateTime<Utc>> {
+    event.at.and_then(|t| DateTime::<Utc>::try_from(t).ok())
+}
+
+/// The error class and message an event's detail carries, if any.
+fn detail_error(event: &JobEvent) -> Option<String> {
+    let detail = serde_json::to_value(event.detail.as_ref()?).ok()?;
+    let error = detail.get("error")?;
+    let class = error.get("class").and_then(|c| c.as_str()).unwrap_or("?");
+    match error.get("message").and_then(|m| m.as_str()) {
+        Some(message) if !message.is_empty() => Some(format!("{class}: {message}")),
+        _ => Some(class.to_owned()),
+    }
+}
+
+/// Writes a job's events as a timeline: time since the first event and
+/// since the previous one, then the event, its state, attempt, worker and
+/// error; after the events, one line per attempt with who ran it, how long
+/// it ran and how it ended.
+pub fn write_timeline(out: &mut impl Write, events: &[JobEvent]) -> io::Result<()> {
+    if events.is_empty() {
+        return writeln!(out, "no events");
+    }
+    let first = events.iter().find_map(event_time);
+    let mut previous: Option<DateTime<Utc>> = None;
+    let elapsed = |from: Option<DateTime<Utc>>, to: Option<DateTime<Utc>>| match (from, to) {
+        (Some(from), Some(to)) => format!(
+            "+{}",
+            format_duration((to - from).to_std().unwrap_or_default())
+        ),
+        _ => "-".to_owned(),
+    };
+    let mut rows = Vec::with_capacity(events.len());
+    for event in events {
+        let at = event_time(event);
+        let mut notes = Vec::new();
+        if event.attempt > 0 {
+            notes.push(format!("attempt {}", event.attempt));
+        }
+        if !event.worker_id.is_empty() {
+            notes.push(format!("worker {}", event.worker_id));
+        }
+        if let Some(error) = detail_error(event) {
+            notes.push(format!("error {error}"));
+        }
+        rows.push(vec![
+            format!("#{}", event.sequence),
+            at.map_or_else(
+                || "-".to_owned(),
+                |t| t.to_rfc3339_opts(SecondsFormat::Millis, true),
+            ),
+            elapsed(first, at),
+            elapsed(previous, at),
+            event_type_name(event.r#type),
+            state_name(event.state),
+            notes.join(", "),
+        ]);
+        previous = at.or(previous);
+    }
+    write_table(
+        out,
+        &[
+            "SEQ",
+            "AT",
+            "SINCE START",
+            "SINCE PREV",
+            "EVENT",
+            "STATE",
+            "",
+        ],
+        &rows,
+        &[2, 3],
+    )?;
+    // Attempts: from each LEASED event to the next event that ends it.
+    let mut attempts = Vec::new();
+    for (i, event) in events.iter().enumerate() {
+        if JobEventType::try_from(event.r#type) != Ok(JobEventType::Leased) {
+            continue;
+        }
+        let end = events[i + 1..].iter().find(|e| {
+            !matches!(
+                JobEventType::try_from(e.r#type),
+                Ok(JobEventType::Progress | JobEventType::CancelRequested)
+            )
+        });
+        let (ran, outcome) = match end {
+            Some(end) => (
+                elapsed(event_time(event), event_time(end)),
+                match detail_error(end) {
+                    Some(error) => format!("{} ({error})", event_type_name(end.r#type)),
+                    None => event_type_name(end.r#type),
+                },
+            ),
+            None => ("-".to_owned(), "still running".to_owned()),
+        };
+        attempts.push(vec![
+            event.attempt.to_string(),
+            if event.worker_id.is_empty() {
+                "-".into()
+            } else {
+                event.worker_id.clone()
+            },
+            ran.trim_start_matches('+').to_owned(),
+            outcome,
+        ]);
+    }
+    if !attempts.is_empty() {
+        writeln!(out)?;
+        write_table(
+            out,
+            &["ATTEMPT", "WORKER", "RAN", "OUTCOME"],
+            &attempts,
+            &[0, 2],
+        )?;
+    }
+    Ok(())
+}
+
 /// Writes jobs as an aligned table, one row per job.
 pub fn write_job_table(out: &mut impl Write, jobs: &[Job]) -> io::Result<()> {
     let rows: Vec<Vec<String>> = jobs
@@ -627,6 +746,61 @@ w-1          2  2030-01-02T03:04:05Z  -               default,bulk
         assert_eq!(
             job.as_ref().and_then(|j| j["state"].as_str()),
             Some("JOB_STATE_FAILED")
+        );
+    }
+
+    #[test]
+    fn timeline_shows_gaps_attempts_workers_and_errors() {
+        let event = |sequence: u64, kind: JobEventType, state: JobState, at: &str| JobEvent {
+            job_id: "j".into(),
+            sequence,
+            r#type: kind as i32,
+            state: state as i32,
+            attempt: u32::from(sequence > 1),
+            worker_id: if sequence > 1 {
+                "w-1".into()
+            } else {
+                String::new()
+            },
+            at: ts(at),
+            detail: None,
+        };
+        let mut failed = event(
+            3,
+            JobEventType::RetryScheduled,
+            JobState::Queued,
+            "2030-01-01T00:00:12.500Z",
+        );
+        failed.detail = serde_json::from_value(serde_json::json!({
+            "error": {"class": "rate_limited", "message": "429"}
+        }))
+        .ok();
+        let events = [
+            event(
+                1,
+                JobEventType::Submitted,
+                JobState::Queued,
+                "2030-01-01T00:00:00Z",
+            ),
+            event(
+                2,
+                JobEventType::Leased,
+                JobState::Running,
+                "2030-01-01T00:00:02Z",
+            ),
+            failed,
+        ];
+        let out = text(|out| write_timeline(out, &events));
+        assert!(out.contains("+2s"), "{out}");
+        assert!(out.contains("+10s"), "{out}");
+        assert!(out.contains("+12s"), "{out}");
+        assert!(out.contains("retry_scheduled"), "{out}");
+        assert!(out.contains("error rate_limited: 429"), "{out}");
+        assert!(
+            out.lines().any(|l| l.contains("w-1")
+                && l.contains("10s")
+                && l.contains("retry_scheduled (rate_limited: 429)")),
+            "{out}"
         );
     }
 }

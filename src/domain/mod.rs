@@ -174,6 +174,47 @@ pub struct Job {
     pub finished_at: Option<DateTime<Utc>>,
     /// Sequence of the job's last event; the next event gets `event_seq + 1`.
     pub event_seq: u64,
+    /// The submitter's W3C `traceparent`: every attempt's span is its child.
+    pub trace_parent: Option<String>,
+    /// When the current (or last) attempt was leased.
+    pub leased_at: Option<DateTime<Utc>>,
+}
+
+impl Job {
+    /// The attempt this job is running, as it must be remembered after the
+    /// attempt ends (its span and metrics need the lease); `None` unless
+    /// running.
+    pub fn running_attempt(&self) -> Option<RunningAttempt> {
+        if self.state != JobState::Running {
+            return None;
+        }
+        Some(RunningAttempt {
+            number: self.attempt,
+            worker_id: self.lease_owner.clone(),
+            lease_token: self.lease_token.clone().unwrap_or_default(),
+            leased_at: self.leased_at,
+            runnable_at: self.run_at,
+            cost_cents_before: self.cost_cents,
+        })
+    }
+}
+
+/// What an attempt was while it ran: taken before the transition that ends
+/// it, because that transition drops the lease.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunningAttempt {
+    /// 1 for the first attempt.
+    pub number: u32,
+    pub worker_id: Option<String>,
+    /// The attempt's identity: its span id is derived from it.
+    pub lease_token: String,
+    /// `None` only for attempts leased before this was recorded.
+    pub leased_at: Option<DateTime<Utc>>,
+    /// When the job became runnable for this attempt (its queue wait
+    /// started).
+    pub runnable_at: DateTime<Utc>,
+    /// The job's cost before this attempt reported its own.
+    pub cost_cents_before: i64,
 }
 
 /// One row of the append-only `job_events` table.
@@ -214,6 +255,8 @@ pub struct NewJob {
     pub labels: BTreeMap<String, String>,
     pub callback_url: Option<String>,
     pub max_cost_cents: Option<i64>,
+    /// The submitter's W3C `traceparent`, stored with the job.
+    pub trace_parent: Option<String>,
 }
 
 /// What a worker reports at the end of an attempt.

@@ -315,6 +315,8 @@ mod tests {
             started_at: Some(t(0)),
             finished_at: None,
             event_seq: 2,
+            trace_parent: None,
+            leased_at: Some(t(0)),
         }
     }
 

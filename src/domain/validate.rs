@@ -277,6 +277,7 @@ pub fn submit(input: SubmitInput, limits: &Limits, now: DateTime<Utc>) -> Result
         labels: input.labels,
         callback_url,
         max_cost_cents: input.max_cost_cents,
+        trace_parent: None,
     })
 }
 

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
+use super::observer::Observer;
 use crate::store::{Reaped, Store};
 
 /// Rows of each kind handled per transaction, so one pass never holds many
@@ -16,10 +17,12 @@ const BATCH: u32 = 500;
 
 /// Runs passes every `interval` until `stop` fires. A pass that filled its
 /// batch is followed at once by another.
+/// What the pass ended goes to `observer` (spans, metrics, logs).
 pub async fn run(
     store: Arc<dyn Store>,
     interval: Duration,
     retention: Duration,
+    observer: Arc<Observer>,
     stop: CancellationToken,
 ) {
     let mut ticker = tokio::time::interval(interval);
@@ -32,6 +35,12 @@ pub async fn run(
         loop {
             match store.reap(BATCH, retention).await {
                 Ok(reaped) => {
+                    for ended in &reaped.ended {
+                        observer.reclaimed(ended);
+                    }
+                    for event in &reaped.expired {
+                        observer.deadline_passed(event);
+                    }
                     if reaped != Reaped::default() {
                         tracing::info!(
                             expired_leases = reaped.expired_leases,

@@ -17,7 +17,7 @@ use uuid::Uuid;
 use crate::config::Settings;
 use crate::domain::{
     CompleteSpec, HeartbeatAck, HeartbeatSpec, Job, JobEvent, LeaseSpec, ListFilter, NewJob,
-    QueueStats, RetryFilter, WorkerSeen,
+    QueueStats, RetryFilter, RunningAttempt, WorkerSeen,
 };
 use crate::engine::notifier::Notifier;
 
@@ -74,8 +74,32 @@ impl RunningCaps {
     }
 }
 
+/// An attempt that a store call ended (`Complete`, or the reaper reclaiming
+/// its lease): what it was, and the job and event it ended with. Telemetry
+/// turns it into the attempt's span, metrics and log line.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Ended {
+    pub attempt: RunningAttempt,
+    /// The job after the transition.
+    pub job: Job,
+    /// The event the transition recorded.
+    pub event: JobEvent,
+}
+
+impl Ended {
+    /// Pairs the attempt taken before a transition with its result; `None`
+    /// when the job was not running (nothing to end).
+    fn new(attempt: Option<RunningAttempt>, job: Job, event: JobEvent) -> Option<Ended> {
+        attempt.map(|attempt| Ended {
+            attempt,
+            job,
+            event,
+        })
+    }
+}
+
 /// What the reaper did in one pass.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Reaped {
     /// Running jobs whose lease ran out (requeued, failed, cancelled or expired).
     pub expired_leases: u64,
@@ -83,6 +107,20 @@ pub struct Reaped {
     pub expired_deadlines: u64,
     /// Finished jobs deleted by retention.
     pub deleted: u64,
+    /// The attempts whose lease ran out, for their spans.
+    pub ended: Vec<Ended>,
+    /// The `EXPIRED` events of queued jobs past their deadline, for the log.
+    pub expired: Vec<JobEvent>,
+}
+
+/// Jobs of one tenant's queue by state, and the age of its oldest runnable
+/// job: the gauges behind `/metrics`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct QueueDepth {
+    pub tenant: String,
+    pub queue: String,
+    pub counts: std::collections::BTreeMap<&'static str, u64>,
+    pub oldest_runnable_age: Option<Duration>,
 }
 
 /// The persistence interface. Every method is scoped to a tenant: another
@@ -167,7 +205,7 @@ pub trait Store: Send + Sync + 'static {
         &self,
         tenant: &str,
         items: Vec<CompleteSpec>,
-    ) -> StoreResult<Vec<StoreResult<Job>>>;
+    ) -> StoreResult<Vec<StoreResult<Ended>>>;
 
     /// One reaper pass over at most `batch` rows of each kind, deleting
     /// jobs finished more than `retention` ago. Safe to run from several
@@ -179,6 +217,10 @@ pub trait Store: Send + Sync + 'static {
 
     /// Jobs waiting in a queue (queued, runnable or not), for the queue bound.
     async fn queued_count(&self, tenant: &str, queue: &str) -> StoreResult<u64>;
+
+    /// Every tenant's queues with their jobs by state and oldest runnable
+    /// age, for the metrics gauges (one grouped scan; run on a timer).
+    async fn queue_depths(&self) -> StoreResult<Vec<QueueDepth>>;
 }
 
 /// Opens the database named by `settings.database_url`, applies migrations,

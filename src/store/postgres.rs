@@ -18,7 +18,10 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::changes::{CHANNEL, Changes, wake_from_payload};
-use super::{Reaped, Retried, RunningCaps, Stats, Store, StoreError, StoreResult, Submitted};
+use super::{
+    Ended, QueueDepth, Reaped, Retried, RunningCaps, Stats, Store, StoreError, StoreResult,
+    Submitted,
+};
 use crate::config::Settings;
 use crate::domain::transition::{self, TransitionError};
 use crate::domain::{
@@ -119,6 +122,8 @@ fn job_from_row(row: &PgRow) -> StoreResult<Job> {
         started_at: row.try_get("started_at")?,
         finished_at: row.try_get("finished_at")?,
         event_seq: to_u64(row.try_get("event_seq")?, "event_seq")?,
+        trace_parent: row.try_get("trace_parent")?,
+        leased_at: row.try_get("leased_at")?,
     })
 }
 
@@ -269,9 +274,10 @@ impl PgStore {
             "WITH ins AS (
                 INSERT INTO jobs (id, tenant, queue, kind, state, payload, max_attempts, priority,
                     idempotency_key, input_hash, labels, run_at, deadline, backoff_initial_ms,
-                    backoff_max_ms, callback_url, max_cost_cents, created_at, updated_at, event_seq)
+                    backoff_max_ms, callback_url, max_cost_cents, created_at, updated_at, event_seq,
+                    trace_parent)
                 VALUES ($1, $2, $3, $4, 'queued', $5, $6, $7, $8, $9, $10, COALESCE($11, now()), $12,
-                    $13, $14, $15, $16, now(), now(), 1)
+                    $13, $14, $15, $16, now(), now(), 1, $17)
                 ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
                 RETURNING *
              ), ev AS (
@@ -296,6 +302,7 @@ impl PgStore {
         .bind(millis(new.backoff.max()))
         .bind(new.callback_url.as_deref())
         .bind(new.max_cost_cents)
+        .bind(new.trace_parent.as_deref())
         .fetch_optional(&mut *conn)
         .await?;
         if let Some(row) = inserted {
@@ -676,6 +683,7 @@ impl Store for PgStore {
                     lease_expires_at = LEAST(now() + $6 * interval '1 millisecond',
                                              COALESCE(j.deadline, 'infinity'::timestamptz)),
                     started_at = COALESCE(j.started_at, now()),
+                    leased_at = now(),
                     updated_at = GREATEST(j.updated_at, now()),
                     progress = 0,
                     event_seq = j.event_seq + 1
@@ -792,7 +800,7 @@ impl Store for PgStore {
         &self,
         tenant: &str,
         items: Vec<CompleteSpec>,
-    ) -> StoreResult<Vec<StoreResult<Job>>> {
+    ) -> StoreResult<Vec<StoreResult<Ended>>> {
         let mut tx = self.pool.begin().await?;
         let mut changes = Changes::default();
         let mut results = Vec::with_capacity(items.len());
@@ -806,6 +814,7 @@ impl Store for PgStore {
                 Err(other) => return Err(other),
             };
             let jitter = rand::random::<f64>();
+            let attempt = job.running_attempt();
             match transition::complete(
                 &mut job,
                 &item.lease_token,
@@ -817,7 +826,11 @@ impl Store for PgStore {
                 Ok(event) => {
                     save(&mut tx, &job, &event).await?;
                     changes.job(&job);
-                    results.push(Ok(job));
+                    // A successful complete always ended a running attempt.
+                    results.push(
+                        Ended::new(attempt, job, event)
+                            .ok_or_else(|| StoreError::Internal("no running attempt".into())),
+                    );
                 }
                 Err(err) => results.push(Err(err.into())),
             }
@@ -848,20 +861,24 @@ impl Store for PgStore {
         .fetch_all(&mut *tx)
         .await?;
         let mut changes = Changes::default();
-        for (rows, decide) in [
-            (
-                &expired_leases,
-                transition::lease_expired as fn(&mut Job, DateTime<Utc>) -> JobEvent,
-            ),
-            (&past_deadline, transition::deadline_passed),
-        ] {
-            for row in rows {
-                let mut job = job_from_row(row)?;
-                let now: DateTime<Utc> = row.try_get("db_now")?;
-                let event = decide(&mut job, now);
-                save(&mut tx, &job, &event).await?;
-                changes.job(&job);
-            }
+        let mut ended = Vec::with_capacity(expired_leases.len());
+        for row in &expired_leases {
+            let mut job = job_from_row(row)?;
+            let now: DateTime<Utc> = row.try_get("db_now")?;
+            let attempt = job.running_attempt();
+            let event = transition::lease_expired(&mut job, now);
+            save(&mut tx, &job, &event).await?;
+            changes.job(&job);
+            ended.extend(Ended::new(attempt, job, event));
+        }
+        let mut expired = Vec::with_capacity(past_deadline.len());
+        for row in &past_deadline {
+            let mut job = job_from_row(row)?;
+            let now: DateTime<Utc> = row.try_get("db_now")?;
+            let event = transition::deadline_passed(&mut job, now);
+            save(&mut tx, &job, &event).await?;
+            changes.job(&job);
+            expired.push(event);
         }
         notify(&mut tx, &changes).await?;
         tx.commit().await?;
@@ -886,6 +903,8 @@ impl Store for PgStore {
             expired_leases: expired_leases.len() as u64,
             expired_deadlines: past_deadline.len() as u64,
             deleted,
+            ended,
+            expired,
         })
     }
 
@@ -927,5 +946,44 @@ impl Store for PgStore {
         .fetch_one(&self.pool)
         .await?;
         to_u64(n, "count")
+    }
+
+    #[tracing::instrument(name = "store.queue_depths", skip_all)]
+    async fn queue_depths(&self) -> StoreResult<Vec<QueueDepth>> {
+        let counts = sqlx::query(
+            "SELECT tenant, queue, state, count(*) AS n FROM jobs GROUP BY tenant, queue, state",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        let oldest = sqlx::query(
+            "SELECT tenant, queue, (EXTRACT(EPOCH FROM now() - min(run_at)) * 1000)::bigint AS age_ms
+             FROM jobs WHERE state = 'queued' AND run_at <= now() GROUP BY tenant, queue",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        let mut depths: BTreeMap<(String, String), QueueDepth> = BTreeMap::new();
+        for row in &counts {
+            let (tenant, queue): (String, String) = (row.try_get("tenant")?, row.try_get("queue")?);
+            let state: String = row.try_get("state")?;
+            let state = JobState::parse(&state).ok_or_else(|| corrupt("state"))?;
+            depths
+                .entry((tenant.clone(), queue.clone()))
+                .or_insert_with(|| QueueDepth {
+                    tenant,
+                    queue,
+                    ..Default::default()
+                })
+                .counts
+                .insert(state.as_str(), to_u64(row.try_get("n")?, "count")?);
+        }
+        for row in &oldest {
+            let key: (String, String) = (row.try_get("tenant")?, row.try_get("queue")?);
+            let age: i64 = row.try_get("age_ms")?;
+            if let Some(depth) = depths.get_mut(&key) {
+                depth.oldest_runnable_age =
+                    Some(Duration::from_millis(u64::try_from(age).unwrap_or(0)));
+            }
+        }
+        Ok(depths.into_values().collect())
     }
 }

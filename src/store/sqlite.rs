@@ -22,7 +22,10 @@ use sqlx::{Row, SqliteConnection, Transaction};
 use uuid::Uuid;
 
 use super::changes::Changes;
-use super::{Reaped, Retried, RunningCaps, Stats, Store, StoreError, StoreResult, Submitted};
+use super::{
+    Ended, QueueDepth, Reaped, Retried, RunningCaps, Stats, Store, StoreError, StoreResult,
+    Submitted,
+};
 use crate::config::Settings;
 use crate::domain::transition::{self, TransitionError};
 use crate::domain::{
@@ -176,6 +179,8 @@ fn job_from_row(row: &SqliteRow) -> StoreResult<Job> {
         started_at: opt_ts(row, "started_at")?,
         finished_at: opt_ts(row, "finished_at")?,
         event_seq: to_u64(row.try_get("event_seq")?, "event_seq")?,
+        trace_parent: row.try_get("trace_parent")?,
+        leased_at: opt_ts(row, "leased_at")?,
     })
 }
 
@@ -337,8 +342,9 @@ impl SqliteStore {
         let row = sqlx::query(
             "INSERT INTO jobs (id, tenant, queue, kind, state, payload, max_attempts, priority,
                 idempotency_key, input_hash, labels, run_at, deadline, backoff_initial_ms,
-                backoff_max_ms, callback_url, max_cost_cents, created_at, updated_at, event_seq)
-             VALUES (?1, ?2, ?3, ?4, 'queued', ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?17, ?16, ?16, 1)
+                backoff_max_ms, callback_url, max_cost_cents, created_at, updated_at, event_seq,
+                trace_parent)
+             VALUES (?1, ?2, ?3, ?4, 'queued', ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?17, ?16, ?16, 1, ?18)
              RETURNING *",
         )
         .bind(id.to_string())
@@ -358,6 +364,7 @@ impl SqliteStore {
         .bind(new.callback_url.as_deref())
         .bind(now)
         .bind(new.max_cost_cents)
+        .bind(new.trace_parent.as_deref())
         .fetch_one(&mut *conn)
         .await?;
         let job = job_from_row(&row)?;
@@ -708,6 +715,7 @@ impl Store for SqliteStore {
                 lease_token = lower(hex(randomblob(16))),
                 lease_expires_at = min(?6 + ?7, coalesce(deadline, ?6 + ?7)),
                 started_at = coalesce(started_at, ?6),
+                leased_at = ?6,
                 updated_at = max(updated_at, ?6),
                 progress = 0,
                 event_seq = event_seq + 1
@@ -846,7 +854,7 @@ impl Store for SqliteStore {
         &self,
         tenant: &str,
         items: Vec<CompleteSpec>,
-    ) -> StoreResult<Vec<StoreResult<Job>>> {
+    ) -> StoreResult<Vec<StoreResult<Ended>>> {
         let mut tx = self.begin().await?;
         let now = Utc::now();
         let mut changes = Changes::default();
@@ -861,6 +869,7 @@ impl Store for SqliteStore {
                 Err(other) => return Err(other),
             };
             let jitter = rand::random::<f64>();
+            let attempt = job.running_attempt();
             match transition::complete(
                 &mut job,
                 &item.lease_token,
@@ -872,7 +881,11 @@ impl Store for SqliteStore {
                 Ok(event) => {
                     save(&mut tx, &job, &event).await?;
                     changes.job(&job);
-                    results.push(Ok(job));
+                    // A successful complete always ended a running attempt.
+                    results.push(
+                        Ended::new(attempt, job, event)
+                            .ok_or_else(|| StoreError::Internal("no running attempt".into())),
+                    );
                 }
                 Err(err) => results.push(Err(err.into())),
             }
@@ -902,19 +915,22 @@ impl Store for SqliteStore {
         .fetch_all(&mut *tx)
         .await?;
         let mut changes = Changes::default();
-        for (rows, decide) in [
-            (
-                &expired_leases,
-                transition::lease_expired as fn(&mut Job, DateTime<Utc>) -> JobEvent,
-            ),
-            (&past_deadline, transition::deadline_passed),
-        ] {
-            for row in rows {
-                let mut job = job_from_row(row)?;
-                let event = decide(&mut job, now);
-                save(&mut tx, &job, &event).await?;
-                changes.job(&job);
-            }
+        let mut ended = Vec::with_capacity(expired_leases.len());
+        for row in &expired_leases {
+            let mut job = job_from_row(row)?;
+            let attempt = job.running_attempt();
+            let event = transition::lease_expired(&mut job, now);
+            save(&mut tx, &job, &event).await?;
+            changes.job(&job);
+            ended.extend(Ended::new(attempt, job, event));
+        }
+        let mut expired = Vec::with_capacity(past_deadline.len());
+        for row in &past_deadline {
+            let mut job = job_from_row(row)?;
+            let event = transition::deadline_passed(&mut job, now);
+            save(&mut tx, &job, &event).await?;
+            changes.job(&job);
+            expired.push(event);
         }
         self.commit(tx, &changes).await?;
         // Its own short transaction, so the single writer is not held long.
@@ -936,6 +952,8 @@ impl Store for SqliteStore {
             expired_leases: expired_leases.len() as u64,
             expired_deadlines: past_deadline.len() as u64,
             deleted,
+            ended,
+            expired,
         })
     }
 
@@ -974,5 +992,45 @@ impl Store for SqliteStore {
         .fetch_one(&self.reader)
         .await?;
         to_u64(n, "count")
+    }
+
+    #[tracing::instrument(name = "store.queue_depths", skip_all)]
+    async fn queue_depths(&self) -> StoreResult<Vec<QueueDepth>> {
+        let counts = sqlx::query(
+            "SELECT tenant, queue, state, count(*) AS n FROM jobs GROUP BY tenant, queue, state",
+        )
+        .fetch_all(&self.reader)
+        .await?;
+        let oldest = sqlx::query(
+            "SELECT tenant, queue, ?1 - min(run_at) AS age_ms FROM jobs
+             WHERE state = 'queued' AND run_at <= ?1 GROUP BY tenant, queue",
+        )
+        .bind(ms(Utc::now()))
+        .fetch_all(&self.reader)
+        .await?;
+        let mut depths: BTreeMap<(String, String), QueueDepth> = BTreeMap::new();
+        for row in &counts {
+            let (tenant, queue): (String, String) = (row.try_get("tenant")?, row.try_get("queue")?);
+            let state: String = row.try_get("state")?;
+            let state = JobState::parse(&state).ok_or_else(|| corrupt("state"))?;
+            depths
+                .entry((tenant.clone(), queue.clone()))
+                .or_insert_with(|| QueueDepth {
+                    tenant,
+                    queue,
+                    ..Default::default()
+                })
+                .counts
+                .insert(state.as_str(), to_u64(row.try_get("n")?, "count")?);
+        }
+        for row in &oldest {
+            let key: (String, String) = (row.try_get("tenant")?, row.try_get("queue")?);
+            let age: i64 = row.try_get("age_ms")?;
+            if let Some(depth) = depths.get_mut(&key) {
+                depth.oldest_runnable_age =
+                    Some(Duration::from_millis(u64::try_from(age).unwrap_or(0)));
+            }
+        }
+        Ok(depths.into_values().collect())
     }
 }

@@ -183,6 +183,8 @@ fn replace_db_name(url: &str, name: &str) -> String {
 /// One running intray server on a test database.
 pub struct TestServer {
     pub addr: SocketAddr,
+    /// The HTTP port (`GET /metrics`).
+    pub http_addr: SocketAddr,
     pub backend: Backend,
     pub settings: Settings,
     channel: Channel,
@@ -210,15 +212,28 @@ impl TestServer {
         Self::launch(self.backend, self.settings.clone(), self.db.clone()).await
     }
 
+    /// A replica on the same database, with `tweak` applied to a copy of
+    /// this server's settings.
+    pub async fn start_replica_with(&self, tweak: impl FnOnce(&mut Settings)) -> TestServer {
+        let mut settings = self.settings.clone();
+        tweak(&mut settings);
+        Self::launch(self.backend, settings, self.db.clone()).await
+    }
+
     async fn launch(backend: Backend, settings: Settings, db: Arc<TestDb>) -> TestServer {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind 127.0.0.1:0");
         let addr = listener.local_addr().expect("listener address");
+        let http = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind 127.0.0.1:0");
+        let http_addr = http.local_addr().expect("listener address");
         let shutdown = CancellationToken::new();
-        let mut task = tokio::spawn(intray::server::run(
+        let mut task = tokio::spawn(intray::server::run_with(
             settings.clone(),
             listener,
+            Some(http),
             shutdown.clone().cancelled_owned(),
         ));
 
@@ -257,6 +272,7 @@ impl TestServer {
 
         TestServer {
             addr,
+            http_addr,
             backend,
             settings,
             channel,

@@ -1,0 +1,407 @@
+//! The service's metrics and their Prometheus text exposition (format
+//! 0.0.4).
+//!
+//! Written by hand rather than with `prometheus-client`: the set is small and
+//! fixed (counters, gauges and histograms with a few string labels), the text
+//! format is a page of code, and the scrape test parses what this produces.
+//! A crate would add a dependency and its own registry types for no
+//! behaviour we lack.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::Duration;
+
+use crate::store::QueueDepth;
+
+/// Buckets (seconds) for waits and attempt durations: jobs run from
+/// milliseconds (embeddings) to many minutes (imports).
+const JOB_BUCKETS: &[f64] = &[
+    0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0,
+];
+/// Buckets (seconds) for RPC latency; a long-polling `Lease` lands high.
+const RPC_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 30.0, 60.0,
+];
+
+#[derive(Clone, Debug)]
+struct Histogram {
+    bounds: &'static [f64],
+    /// Per bucket, not cumulative; cumulated when rendered.
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [f64]) -> Self {
+        Histogram {
+            bounds,
+            counts: vec![0; bounds.len()],
+            sum: 0.0,
+            count: 0,
+        }
+    }
+
+    fn observe(&mut self, v: f64) {
+        if let Some(i) = self.bounds.iter().position(|b| v <= *b) {
+            self.counts[i] += 1;
+        }
+        self.sum += v;
+        self.count += 1;
+    }
+}
+
+/// One metric name with its label sets.
+#[derive(Debug)]
+struct Family<V> {
+    name: &'static str,
+    help: &'static str,
+    labels: &'static [&'static str],
+    values: Mutex<BTreeMap<Vec<String>, V>>,
+}
+
+impl<V: Clone> Family<V> {
+    fn new(name: &'static str, help: &'static str, labels: &'static [&'static str]) -> Self {
+        Family {
+            name,
+            help,
+            labels,
+            values: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<Vec<String>, V>> {
+        // Each update is a single insert or add: a panic cannot leave it torn.
+        self.values.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn with(&self, labels: &[&str], default: impl FnOnce() -> V, f: impl FnOnce(&mut V)) {
+        let key = labels.iter().map(|l| (*l).to_owned()).collect();
+        f(self.lock().entry(key).or_insert_with(default));
+    }
+
+    fn snapshot(&self) -> Vec<(Vec<String>, V)> {
+        self.lock()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    }
+
+    fn header(&self, out: &mut String, kind: &str) {
+        let _ = writeln!(out, "# HELP {} {}", self.name, self.help);
+        let _ = writeln!(out, "# TYPE {} {kind}", self.name);
+    }
+}
+
+/// `{a="x",b="y"}` with the exposition format's escapes.
+fn label_set(names: &[&str], values: &[String], extra: Option<(&str, String)>) -> String {
+    let mut pairs: Vec<String> = names
+        .iter()
+        .zip(values)
+        .map(|(n, v)| format!("{n}=\"{}\"", escape(v)))
+        .collect();
+    if let Some((n, v)) = extra {
+        pairs.push(format!("{n}=\"{v}\""));
+    }
+    if pairs.is_empty() {
+        String::new()
+    } else {
+        format!("{{{}}}", pairs.join(","))
+    }
+}
+
+fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+fn render_scalars(out: &mut String, family: &Family<f64>, kind: &str) {
+    family.header(out, kind);
+    for (labels, v) in family.snapshot() {
+        let _ = writeln!(
+            out,
+            "{}{} {v}",
+            family.name,
+            label_set(family.labels, &labels, None)
+        );
+    }
+}
+
+fn render_histograms(out: &mut String, family: &Family<Histogram>) {
+    family.header(out, "histogram");
+    for (labels, h) in family.snapshot() {
+        let mut cumulative = 0;
+        for (bound, n) in h.bounds.iter().zip(&h.counts) {
+            cumulative += n;
+            let set = label_set(family.labels, &labels, Some(("le", bound.to_string())));
+            let _ = writeln!(out, "{}_bucket{set} {cumulative}", family.name);
+        }
+        let set = label_set(family.labels, &labels, Some(("le", "+Inf".into())));
+        let _ = writeln!(out, "{}_bucket{set} {}", family.name, h.count);
+        let set = label_set(family.labels, &labels, None);
+        let _ = writeln!(out, "{}_sum{set} {}", family.name, h.sum);
+        let _ = writeln!(out, "{}_count{set} {}", family.name, h.count);
+    }
+}
+
+/// Every metric of one server. Counters and histograms count what this
+/// replica did; the `intray_jobs*` gauges come from the database and are the
+/// same on every replica (aggregate them with `max`, not `sum`).
+#[derive(Debug)]
+pub struct Metrics {
+    jobs: Family<f64>,
+    oldest_runnable: Family<f64>,
+    leases_in_flight: Family<f64>,
+    queue_wait: Family<Histogram>,
+    attempt_duration: Family<Histogram>,
+    attempts: Family<f64>,
+    lease_expirations: Family<f64>,
+    dead_set_arrivals: Family<f64>,
+    long_polling: AtomicI64,
+    rpc_duration: Family<Histogram>,
+    rpc_responses: Family<f64>,
+    refresh_failures: Family<f64>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    /// Empty metrics.
+    pub fn new() -> Self {
+        Metrics {
+            jobs: Family::new(
+                "intray_jobs",
+                "Jobs by tenant, queue and state (refreshed on a timer).",
+                &["tenant", "queue", "state"],
+            ),
+            oldest_runnable: Family::new(
+                "intray_oldest_runnable_job_age_seconds",
+                "Age of the oldest queued job whose run_at has come (refreshed on a timer).",
+                &["tenant", "queue"],
+            ),
+            leases_in_flight: Family::new(
+                "intray_leases_in_flight",
+                "Running jobs, i.e. leases held by workers (refreshed on a timer).",
+                &["tenant", "queue"],
+            ),
+            queue_wait: Family::new(
+                "intray_queue_wait_seconds",
+                "Time from runnable (run_at) to leased, per attempt.",
+                &["queue"],
+            ),
+            attempt_duration: Family::new(
+                "intray_attempt_duration_seconds",
+                "Time from lease to the end of the attempt.",
+                &["queue", "kind"],
+            ),
+            attempts: Family::new(
+                "intray_attempts_total",
+                "Ended attempts by outcome and error class.",
+                &["queue", "kind", "outcome", "error_class"],
+            ),
+            lease_expirations: Family::new(
+                "intray_lease_expirations_total",
+                "Leases the reaper reclaimed because they ran out.",
+                &["queue"],
+            ),
+            dead_set_arrivals: Family::new(
+                "intray_dead_set_arrivals_total",
+                "Jobs that became FAILED (the dead set).",
+                &["queue", "kind", "error_class"],
+            ),
+            long_polling: AtomicI64::new(0),
+            rpc_duration: Family::new(
+                "intray_rpc_duration_seconds",
+                "gRPC call latency until the response headers (a long-poll includes its wait).",
+                &["method"],
+            ),
+            rpc_responses: Family::new(
+                "intray_rpc_responses_total",
+                "gRPC calls by method and status code.",
+                &["method", "code"],
+            ),
+            refresh_failures: Family::new(
+                "intray_metrics_refresh_failures_total",
+                "Timer refreshes of the database gauges that failed.",
+                &[],
+            ),
+        }
+    }
+
+    /// Replaces the database gauges with a fresh reading; queues that
+    /// vanished from the reading vanish from the gauges.
+    pub fn set_depths(&self, depths: &[QueueDepth]) {
+        let mut jobs = BTreeMap::new();
+        let mut oldest = BTreeMap::new();
+        let mut running = BTreeMap::new();
+        for d in depths {
+            let key = vec![d.tenant.clone(), d.queue.clone()];
+            for state in crate::domain::JobState::ALL {
+                let n = d.counts.get(state.as_str()).copied().unwrap_or(0);
+                let mut k = key.clone();
+                k.push(state.as_str().to_owned());
+                jobs.insert(k, n as f64);
+            }
+            running.insert(
+                key.clone(),
+                d.counts.get("running").copied().unwrap_or(0) as f64,
+            );
+            // A queue with nothing runnable has age 0, so alerts see it recover.
+            oldest.insert(key, d.oldest_runnable_age.map_or(0.0, |a| a.as_secs_f64()));
+        }
+        *self.jobs.lock() = jobs;
+        *self.oldest_runnable.lock() = oldest;
+        *self.leases_in_flight.lock() = running;
+    }
+
+    /// A failed refresh of the database gauges.
+    pub fn refresh_failed(&self) {
+        self.refresh_failures.with(&[], || 0.0, |v| *v += 1.0);
+    }
+
+    /// A job was leased after waiting `wait` since it became runnable.
+    pub fn leased(&self, queue: &str, wait: Duration) {
+        self.queue_wait.with(
+            &[queue],
+            || Histogram::new(JOB_BUCKETS),
+            |h| h.observe(wait.as_secs_f64()),
+        );
+    }
+
+    /// An attempt ended.
+    pub fn attempt_ended(
+        &self,
+        queue: &str,
+        kind: &str,
+        outcome: &str,
+        error_class: &str,
+        duration: Option<Duration>,
+    ) {
+        self.attempts
+            .with(&[queue, kind, outcome, error_class], || 0.0, |v| *v += 1.0);
+        if let Some(d) = duration {
+            self.attempt_duration.with(
+                &[queue, kind],
+                || Histogram::new(JOB_BUCKETS),
+                |h| h.observe(d.as_secs_f64()),
+            );
+        }
+    }
+
+    /// The reaper reclaimed an expired lease.
+    pub fn lease_expired(&self, queue: &str) {
+        self.lease_expirations.with(&[queue], || 0.0, |v| *v += 1.0);
+    }
+
+    /// A job became FAILED.
+    pub fn dead_set_arrival(&self, queue: &str, kind: &str, error_class: &str) {
+        self.dead_set_arrivals
+            .with(&[queue, kind, error_class], || 0.0, |v| *v += 1.0);
+    }
+
+    /// Counts a long-polling `Lease` call until the guard is dropped
+    /// (however the call ends, a cancelled one included).
+    pub fn long_poll(&self) -> LongPoll<'_> {
+        self.long_polling.fetch_add(1, Ordering::Relaxed);
+        LongPoll(&self.long_polling)
+    }
+
+    /// A gRPC call answered with `code` after `elapsed`.
+    pub fn rpc(&self, method: &str, code: &str, elapsed: Duration) {
+        self.rpc_duration.with(
+            &[method],
+            || Histogram::new(RPC_BUCKETS),
+            |h| h.observe(elapsed.as_secs_f64()),
+        );
+        self.rpc_responses
+            .with(&[method, code], || 0.0, |v| *v += 1.0);
+    }
+
+    /// The text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut out = String::with_capacity(4096);
+        render_scalars(&mut out, &self.jobs, "gauge");
+        render_scalars(&mut out, &self.oldest_runnable, "gauge");
+        render_scalars(&mut out, &self.leases_in_flight, "gauge");
+        render_histograms(&mut out, &self.queue_wait);
+        render_histograms(&mut out, &self.attempt_duration);
+        render_scalars(&mut out, &self.attempts, "counter");
+        render_scalars(&mut out, &self.lease_expirations, "counter");
+        render_scalars(&mut out, &self.dead_set_arrivals, "counter");
+        let _ = writeln!(
+            out,
+            "# HELP intray_long_polling_workers Lease calls on this replica waiting for work.\n\
+             # TYPE intray_long_polling_workers gauge\n\
+             intray_long_polling_workers {}",
+            self.long_polling.load(Ordering::Relaxed)
+        );
+        render_histograms(&mut out, &self.rpc_duration);
+        render_scalars(&mut out, &self.rpc_responses, "counter");
+        render_scalars(&mut out, &self.refresh_failures, "counter");
+        out
+    }
+}
+
+/// A long-polling `Lease` call, counted while this lives.
+#[derive(Debug)]
+pub struct LongPoll<'a>(&'a AtomicI64);
+
+impl Drop for LongPoll<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_labels_escaped_and_histograms_cumulative() {
+        let m = Metrics::new();
+        m.leased("q\"1", Duration::from_millis(20));
+        m.leased("q\"1", Duration::from_secs(2));
+        m.rpc(
+            "/intray.v1.JobService/Submit",
+            "OK",
+            Duration::from_millis(3),
+        );
+        let text = m.render();
+        assert!(text.contains("intray_queue_wait_seconds_bucket{queue=\"q\\\"1\",le=\"0.025\"} 1"));
+        assert!(text.contains("intray_queue_wait_seconds_bucket{queue=\"q\\\"1\",le=\"2.5\"} 2"));
+        assert!(text.contains("intray_queue_wait_seconds_bucket{queue=\"q\\\"1\",le=\"+Inf\"} 2"));
+        assert!(text.contains("intray_queue_wait_seconds_count{queue=\"q\\\"1\"} 2"));
+        assert!(text.contains(
+            "intray_rpc_responses_total{method=\"/intray.v1.JobService/Submit\",code=\"OK\"} 1"
+        ));
+        assert!(text.contains("# TYPE intray_jobs gauge"));
+    }
+
+    #[test]
+    fn a_refresh_replaces_the_gauges() {
+        let m = Metrics::new();
+        let mut d = QueueDepth {
+            tenant: "t".into(),
+            queue: "a".into(),
+            ..Default::default()
+        };
+        d.counts.insert("queued", 3);
+        d.oldest_runnable_age = Some(Duration::from_secs(7));
+        m.set_depths(&[d]);
+        let text = m.render();
+        assert!(text.contains("intray_jobs{tenant=\"t\",queue=\"a\",state=\"queued\"} 3"));
+        assert!(text.contains("intray_jobs{tenant=\"t\",queue=\"a\",state=\"failed\"} 0"));
+        assert!(
+            text.contains("intray_oldest_runnable_job_age_seconds{tenant=\"t\",queue=\"a\"} 7")
+        );
+        m.set_depths(&[]);
+        assert!(!m.render().contains("queue=\"a\""));
+    }
+}

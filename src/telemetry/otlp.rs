@@ -1,0 +1,191 @@
+//! The OTLP trace pipeline, configured only by the standard `OTEL_*`
+//! variables: no endpoint, no exporter and no cost.
+//!
+//! The pipeline is a handle ([`Tracing`]) passed to the server rather than a
+//! process global, so that several servers in one process (tests, replicas)
+//! can each export to their own collector.
+
+use std::cell::Cell;
+use std::sync::Arc;
+use std::time::Duration;
+
+use opentelemetry::KeyValue;
+use opentelemetry::trace::{SpanId, TraceId, TracerProvider as _};
+use opentelemetry_otlp::WithExportConfig;
+use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::trace::{IdGenerator, RandomIdGenerator, SdkTracer, SdkTracerProvider};
+
+/// `service.name` when neither `OTEL_SERVICE_NAME` nor
+/// `OTEL_RESOURCE_ATTRIBUTES` names one.
+pub const DEFAULT_SERVICE_NAME: &str = "intray";
+
+/// Why the exporter could not be built.
+#[derive(Debug, thiserror::Error)]
+#[error("otlp exporter: {0}")]
+pub struct TracingError(String);
+
+/// The trace pipeline of one server: a tracer provider exporting over OTLP
+/// gRPC, or nothing. Cheap to clone.
+#[derive(Clone, Debug, Default)]
+pub struct Tracing {
+    inner: Option<Arc<Pipeline>>,
+}
+
+#[derive(Debug)]
+struct Pipeline {
+    provider: SdkTracerProvider,
+    tracer: SdkTracer,
+}
+
+impl Tracing {
+    /// No tracing: spans are neither built nor exported.
+    pub fn off() -> Tracing {
+        Tracing::default()
+    }
+
+    /// The pipeline the environment asks for:
+    /// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, else
+    /// `OTEL_EXPORTER_OTLP_ENDPOINT`; neither set means off. The sampler
+    /// (`OTEL_TRACES_SAMPLER[_ARG]`), resource (`OTEL_SERVICE_NAME`,
+    /// `OTEL_RESOURCE_ATTRIBUTES`), batching (`OTEL_BSP_*`) and export
+    /// timeout are read by the SDK itself. Must run inside a tokio runtime.
+    pub fn from_env() -> Result<Tracing, TracingError> {
+        let endpoint = [
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+        ]
+        .iter()
+        .find_map(|name| std::env::var(name).ok().filter(|v| !v.trim().is_empty()));
+        match endpoint {
+            Some(endpoint) => {
+                if let Ok(protocol) = std::env::var("OTEL_EXPORTER_OTLP_PROTOCOL")
+                    && protocol != "grpc"
+                {
+                    tracing::warn!(%protocol, "only OTLP over gRPC is built in; exporting with grpc");
+                }
+                Tracing::to_endpoint(&endpoint)
+            }
+            None => Ok(Tracing::off()),
+        }
+    }
+
+    /// A pipeline exporting to `endpoint` (`http://host:4317`). Must run
+    /// inside a tokio runtime: the exporter's channel needs its reactor.
+    pub fn to_endpoint(endpoint: &str) -> Result<Tracing, TracingError> {
+        let exporter = opentelemetry_otlp::SpanExporter::builder()
+            .with_tonic()
+            .with_endpoint(endpoint)
+            .with_timeout(Duration::from_secs(10))
+            .build()
+            .map_err(|e| TracingError(e.to_string()))?;
+        let provider = SdkTracerProvider::builder()
+            .with_batch_exporter(exporter)
+            .with_id_generator(PresetIds::default())
+            .with_resource(resource())
+            .build();
+        let tracer = provider.tracer("intray");
+        Ok(Tracing {
+            inner: Some(Arc::new(Pipeline { provider, tracer })),
+        })
+    }
+
+    /// The tracer, when tracing is on.
+    pub fn tracer(&self) -> Option<&SdkTracer> {
+        self.inner.as_ref().map(|p| &p.tracer)
+    }
+
+    /// The provider, when tracing is on (for the `tracing` bridge).
+    pub fn provider(&self) -> Option<&SdkTracerProvider> {
+        self.inner.as_ref().map(|p| &p.provider)
+    }
+
+    /// Exports what is buffered. The SDK blocks the calling thread while
+    /// the export runs on tokio, so it runs on a blocking thread (inline on
+    /// a current-thread runtime it deadlocks).
+    pub async fn flush(&self) {
+        if let Some(p) = &self.inner {
+            let provider = p.provider.clone();
+            match tokio::task::spawn_blocking(move || provider.force_flush()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(err)) => tracing::warn!(error = %err, "trace flush failed"),
+                Err(err) => tracing::warn!(error = %err, "trace flush task failed"),
+            }
+        }
+    }
+
+    /// Flushes and stops the exporter; spans ended afterwards are dropped.
+    pub async fn shutdown(&self) {
+        if let Some(p) = &self.inner {
+            let provider = p.provider.clone();
+            match tokio::task::spawn_blocking(move || provider.shutdown()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(err)) => tracing::warn!(error = %err, "trace shutdown failed"),
+                Err(err) => tracing::warn!(error = %err, "trace shutdown task failed"),
+            }
+        }
+    }
+}
+
+/// The environment's resource, named `intray` unless it names itself.
+fn resource() -> Resource {
+    let detected = Resource::builder().build();
+    let named = detected
+        .get(&opentelemetry::Key::new("service.name"))
+        .is_some_and(|v| !v.as_str().starts_with("unknown_service"));
+    if named {
+        detected
+    } else {
+        Resource::builder()
+            .with_attributes([KeyValue::new("service.name", DEFAULT_SERVICE_NAME)])
+            .build()
+    }
+}
+
+thread_local! {
+    /// Ids the next span built on this thread must take (see [`with_ids`]).
+    static PRESET: Cell<(Option<TraceId>, Option<SpanId>)> = const { Cell::new((None, None)) };
+}
+
+/// Random ids, except for a span built inside [`with_ids`]. The SDK's span
+/// builder (0.33) has no way to set a span's own id, and an attempt's span
+/// must carry the id decided at lease time (the worker already nests its
+/// spans under it); the tracer asks its id generator synchronously while
+/// building, so a thread-local preset is taken by exactly that span.
+#[derive(Debug, Default)]
+struct PresetIds {
+    random: RandomIdGenerator,
+}
+
+impl IdGenerator for PresetIds {
+    fn new_trace_id(&self) -> TraceId {
+        let (trace, span) = PRESET.get();
+        match trace {
+            Some(id) => {
+                PRESET.set((None, span));
+                id
+            }
+            None => self.random.new_trace_id(),
+        }
+    }
+
+    fn new_span_id(&self) -> SpanId {
+        let (trace, span) = PRESET.get();
+        match span {
+            Some(id) => {
+                PRESET.set((trace, None));
+                id
+            }
+            None => self.random.new_span_id(),
+        }
+    }
+}
+
+/// Runs `build` (which must build exactly one span, synchronously) so that
+/// the span gets `span_id`, and `trace_id` when it has no parent.
+pub(crate) fn with_ids<T>(trace_id: TraceId, span_id: SpanId, build: impl FnOnce() -> T) -> T {
+    PRESET.set((Some(trace_id), Some(span_id)));
+    let built = build();
+    // A span with a parent takes its trace id from it: drop what is left.
+    PRESET.set((None, None));
+    built
+}

@@ -1,0 +1,208 @@
+//! A tower layer around every gRPC call: a server span continuing the
+//! caller's W3C `traceparent`, and the RPC latency and status metrics.
+//!
+//! It sits outside authentication and the call limits, so refused and timed
+//! out calls are counted and traced too.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context as TaskContext, Poll};
+use std::time::Instant;
+
+use opentelemetry::context::FutureExt as _;
+use opentelemetry::propagation::{Extractor, TextMapPropagator};
+use opentelemetry::trace::{SpanKind, Status, TraceContextExt, Tracer as _};
+use opentelemetry::{Context, KeyValue};
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use tonic::Code;
+use tonic::codegen::http::{HeaderMap, Request, Response};
+use tower::{Layer, Service};
+
+use super::metrics::Metrics;
+use super::otlp::Tracing;
+use super::traceparent::TraceParent;
+
+/// The trace context a call runs in, put in the request's extensions:
+/// the server span's when tracing is on, else the caller's own. `Submit`
+/// stores it with the job so that attempts join the submitter's trace.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CallTrace(pub Option<TraceParent>);
+
+/// Reads a gRPC call's metadata (HTTP/2 headers) for the propagator.
+struct HeaderExtractor<'a>(&'a HeaderMap);
+
+impl Extractor for HeaderExtractor<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|v| v.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().map(|k| k.as_str()).collect()
+    }
+}
+
+/// Wraps services in [`Observed`].
+#[derive(Clone, Debug)]
+pub struct RpcLayer {
+    tracing: Tracing,
+    metrics: Arc<Metrics>,
+}
+
+impl RpcLayer {
+    /// Spans go to `tracing` (when on), figures to `metrics`.
+    pub fn new(tracing: Tracing, metrics: Arc<Metrics>) -> RpcLayer {
+        RpcLayer { tracing, metrics }
+    }
+}
+
+impl<S> Layer<S> for RpcLayer {
+    type Service = Observed<S>;
+
+    fn layer(&self, inner: S) -> Observed<S> {
+        Observed {
+            inner,
+            tracing: self.tracing.clone(),
+            metrics: Arc::clone(&self.metrics),
+        }
+    }
+}
+
+/// One server span and one latency/status sample per call.
+#[derive(Clone, Debug)]
+pub struct Observed<S> {
+    inner: S,
+    tracing: Tracing,
+    metrics: Arc<Metrics>,
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+/// `INVALID_ARGUMENT` from `InvalidArgument`: the names operators know.
+pub fn code_name(code: Code) -> String {
+    let camel = format!("{code:?}");
+    let mut out = String::with_capacity(camel.len() + 4);
+    for (i, c) in camel.chars().enumerate() {
+        if c.is_ascii_uppercase() && i > 0 {
+            out.push('_');
+        }
+        out.push(c.to_ascii_uppercase());
+    }
+    out
+}
+
+/// Codes that are the server's fault (OpenTelemetry's rule for server spans).
+fn server_fault(code: Code) -> bool {
+    matches!(
+        code,
+        Code::Unknown
+            | Code::DeadlineExceeded
+            | Code::Unimplemented
+            | Code::Internal
+            | Code::Unavailable
+            | Code::DataLoss
+    )
+}
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Observed<S>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+{
+    type Response = Response<ResBody>;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<Response<ResBody>, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut TaskContext<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: Request<ReqBody>) -> Self::Future {
+        let started = Instant::now();
+        let path = req.uri().path().to_owned();
+        let (cx, span_on) = match self.tracing.tracer() {
+            Some(tracer) => {
+                let parent = TraceContextPropagator::new().extract(&HeaderExtractor(req.headers()));
+                let (service, method) = path
+                    .trim_start_matches('/')
+                    .split_once('/')
+                    .unwrap_or((path.as_str(), ""));
+                let span = tracer
+                    .span_builder(path.trim_start_matches('/').to_owned())
+                    .with_kind(SpanKind::Server)
+                    .with_attributes([
+                        KeyValue::new("rpc.system", "grpc"),
+                        KeyValue::new("rpc.service", service.to_owned()),
+                        KeyValue::new("rpc.method", method.to_owned()),
+                    ])
+                    .start_with_context(tracer, &parent);
+                (parent.with_span(span), true)
+            }
+            None => (Context::new(), false),
+        };
+        let call_trace = if span_on {
+            let sc = cx.span().span_context().clone();
+            TraceParent::parse(&format!(
+                "00-{}-{}-{:02x}",
+                sc.trace_id(),
+                sc.span_id(),
+                sc.trace_flags().to_u8()
+            ))
+        } else {
+            req.headers()
+                .get("traceparent")
+                .and_then(|v| v.to_str().ok())
+                .and_then(TraceParent::parse)
+        };
+        req.extensions_mut().insert(CallTrace(call_trace));
+        let metrics = Arc::clone(&self.metrics);
+        // Inside the call, the server span is the current OpenTelemetry
+        // context, so `tracing` spans bridged to OpenTelemetry nest under it.
+        let call = self.inner.call(req).with_context(cx.clone());
+        Box::pin(async move {
+            let answer = call.await;
+            // A unary error is a trailers-only response with the status in
+            // the headers; a success carries it in trailers, after this
+            // layer is done: no header means OK. (Streams count when they
+            // start.)
+            let code = match &answer {
+                Ok(response) => response
+                    .headers()
+                    .get("grpc-status")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.parse::<i32>().ok())
+                    .map_or(Code::Ok, Code::from_i32),
+                Err(_) => Code::Unknown,
+            };
+            // Unknown paths would make the label set unbounded.
+            let method = if code == Code::Unimplemented {
+                "unknown"
+            } else {
+                path.as_str()
+            };
+            metrics.rpc(method, &code_name(code), started.elapsed());
+            if span_on {
+                let span = cx.span();
+                span.set_attribute(KeyValue::new("rpc.grpc.status_code", code as i64));
+                if server_fault(code) {
+                    span.set_status(Status::error(code_name(code)));
+                }
+                span.end();
+            }
+            answer
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn code_names_are_the_canonical_ones() {
+        assert_eq!(code_name(Code::Ok), "OK");
+        assert_eq!(code_name(Code::InvalidArgument), "INVALID_ARGUMENT");
+        assert_eq!(code_name(Code::ResourceExhausted), "RESOURCE_EXHAUSTED");
+    }
+}

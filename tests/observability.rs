@@ -1,0 +1,564 @@
+//! Observability through the real server: the spans of a job's attempts
+//! arrive at an in-process fake OTLP collector as one trace under the
+//! submitter's context (also when the lease and the outcome go to different
+//! replicas, and when the reaper ends an attempt), and `/metrics` shows the
+//! jobs the test made.
+//!
+//! Each server gets its own trace pipeline (`Settings::tracing`), so these
+//! tests run in parallel with each other and with the rest of the suite.
+
+mod common;
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use common::*;
+use intray::pb;
+use intray::telemetry::{TraceParent, Tracing};
+use opentelemetry::propagation::TextMapPropagator;
+use opentelemetry::trace::{Span as _, Tracer as _};
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
+use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
+use opentelemetry_proto::tonic::trace::v1::Span;
+use opentelemetry_proto::tonic::trace::v1::status::StatusCode;
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::mpsc;
+use tonic::{Request, Response, Status};
+
+backend_tests!(
+    a_failed_then_successful_job_is_one_trace,
+    an_attempt_the_reaper_ends_has_its_span,
+    metrics_show_the_jobs_made
+);
+
+// ---------------------------------------------------------------------------
+// Fake collector
+// ---------------------------------------------------------------------------
+
+struct FakeCollector {
+    tx: mpsc::UnboundedSender<ExportTraceServiceRequest>,
+}
+
+#[tonic::async_trait]
+impl TraceService for FakeCollector {
+    async fn export(
+        &self,
+        req: Request<ExportTraceServiceRequest>,
+    ) -> Result<Response<ExportTraceServiceResponse>, Status> {
+        let _ = self.tx.send(req.into_inner());
+        Ok(Response::new(ExportTraceServiceResponse {
+            partial_success: None,
+        }))
+    }
+}
+
+/// A collector on 127.0.0.1:0 and the spans it received so far.
+struct Collector {
+    addr: SocketAddr,
+    rx: mpsc::UnboundedReceiver<ExportTraceServiceRequest>,
+    spans: Vec<Span>,
+}
+
+impl Collector {
+    async fn start() -> Collector {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the collector");
+        let addr = listener.local_addr().expect("collector address");
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(TraceServiceServer::new(FakeCollector { tx }))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        Collector {
+            addr,
+            rx,
+            spans: Vec::new(),
+        }
+    }
+
+    /// A trace pipeline exporting here; built inside the test's runtime.
+    fn pipeline(&self) -> Tracing {
+        Tracing::to_endpoint(&format!("http://{}", self.addr)).expect("build the OTLP exporter")
+    }
+
+    /// Receives until `done` holds for the spans so far (flushing `tracing`
+    /// meanwhile), or panics after 15 s.
+    async fn until(&mut self, tracing: &Tracing, what: &str, done: impl Fn(&[Span]) -> bool) {
+        let give_up = tokio::time::Instant::now() + Duration::from_secs(15);
+        while !done(&self.spans) {
+            tracing.flush().await;
+            while let Ok(req) = self.rx.try_recv() {
+                for rs in req.resource_spans {
+                    for ss in rs.scope_spans {
+                        self.spans.extend(ss.spans);
+                    }
+                }
+            }
+            if done(&self.spans) {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < give_up,
+                "collector never saw {what}; got {:#?}",
+                self.spans.iter().map(|s| &s.name).collect::<Vec<_>>()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+fn attr(span: &Span, key: &str) -> Option<String> {
+    span.attributes
+        .iter()
+        .find(|kv| kv.key == key)
+        .and_then(|kv| kv.value.as_ref())
+        .and_then(|v| v.value.as_ref())
+        .map(|v| match v {
+            AnyValue::StringValue(s) => s.clone(),
+            AnyValue::IntValue(i) => i.to_string(),
+            AnyValue::BoolValue(b) => b.to_string(),
+            AnyValue::DoubleValue(d) => d.to_string(),
+            other => format!("{other:?}"),
+        })
+}
+
+fn status_code(span: &Span) -> i32 {
+    span.status.as_ref().map_or(0, |s| s.code)
+}
+
+fn attempts_in(spans: &[Span], trace_id: &[u8]) -> Vec<Span> {
+    let mut attempts: Vec<Span> = spans
+        .iter()
+        .filter(|s| s.name == "job.attempt" && s.trace_id == trace_id)
+        .cloned()
+        .collect();
+    attempts.sort_by_key(|s| attr(s, "job.attempt"));
+    attempts
+}
+
+/// The spans of one trace as an indented tree, for the eye.
+fn tree(spans: &[Span], trace_id: &[u8]) -> String {
+    let in_trace: Vec<&Span> = spans.iter().filter(|s| s.trace_id == trace_id).collect();
+    let mut children: BTreeMap<Vec<u8>, Vec<&Span>> = BTreeMap::new();
+    for s in &in_trace {
+        children
+            .entry(s.parent_span_id.clone())
+            .or_default()
+            .push(s);
+    }
+    let known: Vec<Vec<u8>> = in_trace.iter().map(|s| s.span_id.clone()).collect();
+    let mut out = format!("trace {}\n", hex::encode(trace_id));
+    fn walk(
+        out: &mut String,
+        children: &BTreeMap<Vec<u8>, Vec<&Span>>,
+        parent: &[u8],
+        depth: usize,
+    ) {
+        let mut kids = children.get(parent).cloned().unwrap_or_default();
+        kids.sort_by_key(|s| s.start_time_unix_nano);
+        for s in kids {
+            let ms = s.end_time_unix_nano.saturating_sub(s.start_time_unix_nano) / 1_000_000;
+            let mut attrs: Vec<String> = s
+                .attributes
+                .iter()
+                .filter(|kv| !kv.key.starts_with("rpc."))
+                .map(|kv| format!("{}={}", kv.key, attr(s, &kv.key).unwrap_or_default()))
+                .collect();
+            attrs.sort();
+            let status = match StatusCode::try_from(status_code(s)) {
+                Ok(StatusCode::Error) => " ERROR",
+                Ok(StatusCode::Ok) => " OK",
+                _ => "",
+            };
+            out.push_str(&format!(
+                "{}{} [{}] {ms} ms{status} {}\n",
+                "  ".repeat(depth + 1),
+                s.name,
+                hex::encode(&s.span_id),
+                attrs.join(" ")
+            ));
+            walk(out, children, &s.span_id, depth + 1);
+        }
+    }
+    // Roots: spans whose parent is not in the collected trace (the caller's).
+    let roots: Vec<Vec<u8>> = children
+        .keys()
+        .filter(|p| !known.contains(p))
+        .cloned()
+        .collect();
+    for root in roots {
+        out.push_str(&format!("  (caller {})\n", hex::encode(&root)));
+        walk(&mut out, &children, &root, 1);
+    }
+    out
+}
+
+/// A submit carrying the caller's `traceparent`.
+fn traced_submit(traceparent: &str, r: pb::SubmitRequest) -> tonic::Request<pb::SubmitRequest> {
+    let mut request = tonic::Request::new(r);
+    request.metadata_mut().insert(
+        "traceparent",
+        traceparent.parse().expect("traceparent is valid metadata"),
+    );
+    request
+}
+
+fn caller_context() -> (TraceParent, String) {
+    let caller = TraceParent {
+        trace_id: rand::random(),
+        span_id: rand::random(),
+        flags: 1,
+    };
+    (caller, caller.to_string())
+}
+
+// ---------------------------------------------------------------------------
+// Traces
+// ---------------------------------------------------------------------------
+
+async fn a_failed_then_successful_job_is_one_trace(backend: Backend) {
+    let mut collector = Collector::start().await;
+    let tracing = collector.pipeline();
+    let server = TestServer::start_with(backend, |s| s.tracing = tracing.clone()).await;
+    let mut jobs = server.jobs_client("acme");
+    let mut workers = server.workers_client("acme");
+    let (caller, header) = caller_context();
+
+    let mut r = submit_req("obs", "embed", json!({"doc": "secret payload"}));
+    r.max_attempts = Some(3);
+    let job = jobs
+        .submit(traced_submit(&header, r))
+        .await
+        .expect("Submit succeeds")
+        .into_inner()
+        .job
+        .expect("job");
+
+    let first = lease_one(&mut workers, "w-1", "obs").await;
+    let mut failure = failure_req(
+        &first,
+        "rate_limited",
+        Some(true),
+        Some(Duration::from_millis(10)),
+    );
+    failure.cost_cents = 2;
+    workers
+        .complete(failure)
+        .await
+        .expect("Complete(failure) succeeds");
+    let second = lease_one(&mut workers, "w-2", "obs").await;
+    assert_eq!(second.attempt, 2);
+
+    // The worker nests its own span under the attempt, as a worker library would.
+    let carrier = HashMap::from([("traceparent".to_owned(), second.traceparent.clone())]);
+    let worker_cx = TraceContextPropagator::new().extract(&carrier);
+    let tracer = tracing.tracer().expect("tracing is on");
+    let mut worker_span = tracer.start_with_context("worker.embed", &worker_cx);
+    worker_span.end();
+    complete_ok(&mut workers, &second).await;
+
+    let trace_id = caller.trace_id.to_vec();
+    collector
+        .until(
+            &tracing,
+            "two attempts, the worker span and Submit",
+            |spans| {
+                attempts_in(spans, &trace_id).len() == 2
+                    && spans.iter().any(|s| s.name == "worker.embed")
+                    && spans.iter().any(|s| s.name.ends_with("JobService/Submit"))
+            },
+        )
+        .await;
+    let spans = &collector.spans;
+    eprintln!("{}", tree(spans, &trace_id));
+
+    // Submit's server span continues the caller's context...
+    let submit = spans
+        .iter()
+        .find(|s| s.name == "intray.v1.JobService/Submit" && s.trace_id == trace_id)
+        .expect("a Submit server span in the caller's trace");
+    assert_eq!(submit.parent_span_id, caller.span_id.to_vec());
+    // ... and each attempt is exactly one span, a child of it.
+    let attempts = attempts_in(spans, &trace_id);
+    assert_eq!(attempts.len(), 2, "exactly one span per attempt");
+    for (i, (span, leased)) in attempts.iter().zip([&first, &second]).enumerate() {
+        assert_eq!(
+            span.parent_span_id, submit.span_id,
+            "attempt {i} under Submit"
+        );
+        let given = TraceParent::parse(&leased.traceparent).expect("LeasedJob.traceparent");
+        assert_eq!(
+            given.trace_id.to_vec(),
+            trace_id,
+            "the worker got the job's trace"
+        );
+        assert_eq!(
+            span.span_id,
+            given.span_id.to_vec(),
+            "the span the worker was told"
+        );
+        assert_eq!(attr(span, "job.id").as_deref(), Some(job.id.as_str()));
+        assert_eq!(attr(span, "job.kind").as_deref(), Some("embed"));
+        assert_eq!(attr(span, "job.queue").as_deref(), Some("obs"));
+        assert_eq!(attr(span, "tenant").as_deref(), Some("acme"));
+        assert_eq!(attr(span, "job.attempt"), Some((i + 1).to_string()));
+        assert!(
+            attr(span, "job.queue_wait_ms").is_some(),
+            "queue wait recorded"
+        );
+        assert!(span.start_time_unix_nano <= span.end_time_unix_nano);
+    }
+    let (a1, a2) = (&attempts[0], &attempts[1]);
+    assert_eq!(attr(a1, "worker.id").as_deref(), Some("w-1"));
+    assert_eq!(attr(a1, "job.outcome").as_deref(), Some("retry_scheduled"));
+    assert_eq!(attr(a1, "error.class").as_deref(), Some("rate_limited"));
+    assert_eq!(attr(a1, "job.cost_cents").as_deref(), Some("2"));
+    assert_eq!(status_code(a1), StatusCode::Error as i32);
+    assert_eq!(attr(a2, "worker.id").as_deref(), Some("w-2"));
+    assert_eq!(attr(a2, "job.outcome").as_deref(), Some("succeeded"));
+    assert_eq!(attr(a2, "error.class"), None);
+    assert_eq!(status_code(a2), StatusCode::Ok as i32);
+    assert!(
+        a1.end_time_unix_nano <= a2.start_time_unix_nano,
+        "attempts in order"
+    );
+
+    let worker = spans
+        .iter()
+        .find(|s| s.name == "worker.embed")
+        .expect("worker span");
+    assert_eq!(worker.trace_id, trace_id);
+    assert_eq!(
+        worker.parent_span_id, a2.span_id,
+        "worker span under its attempt"
+    );
+    // Payloads never reach spans.
+    assert!(spans.iter().all(|s| {
+        s.attributes
+            .iter()
+            .all(|kv| !format!("{:?}", kv.value).contains("secret payload"))
+    }));
+
+    server.stop().await;
+    tracing.shutdown().await;
+}
+
+/// Lease on one replica, outcome on another: the attempt's span comes from
+/// the replica that ended it, with the ids the first one gave the worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_lease_and_complete_on_two_replicas() {
+    let mut leaser_collector = Collector::start().await;
+    let mut completer_collector = Collector::start().await;
+    let leaser_tracing = leaser_collector.pipeline();
+    let completer_tracing = completer_collector.pipeline();
+    let leaser = TestServer::start_with(Backend::Postgres, |s| {
+        s.tracing = leaser_tracing.clone();
+    })
+    .await;
+    let completer = leaser
+        .start_replica_with(|s| s.tracing = completer_tracing.clone())
+        .await;
+    let (caller, header) = caller_context();
+    let mut jobs = leaser.jobs_client("acme");
+    jobs.submit(traced_submit(
+        &header,
+        submit_req("obs", "embed", json!({})),
+    ))
+    .await
+    .expect("Submit succeeds");
+    let leased = lease_one(&mut leaser.workers_client("acme"), "w-1", "obs").await;
+    complete_ok(&mut completer.workers_client("acme"), &leased).await;
+
+    let trace_id = caller.trace_id.to_vec();
+    leaser_collector
+        .until(&leaser_tracing, "Submit", |spans| {
+            spans.iter().any(|s| s.name.ends_with("JobService/Submit"))
+        })
+        .await;
+    completer_collector
+        .until(&completer_tracing, "the attempt", |spans| {
+            attempts_in(spans, &trace_id).len() == 1
+        })
+        .await;
+    let submit = leaser_collector
+        .spans
+        .iter()
+        .find(|s| s.name.ends_with("JobService/Submit"))
+        .expect("Submit span");
+    let attempt = &attempts_in(&completer_collector.spans, &trace_id)[0];
+    let given = TraceParent::parse(&leased.traceparent).expect("LeasedJob.traceparent");
+    assert_eq!(attempt.span_id, given.span_id.to_vec());
+    assert_eq!(attempt.parent_span_id, submit.span_id);
+    assert_eq!(attr(attempt, "job.outcome").as_deref(), Some("succeeded"));
+    assert_eq!(attr(attempt, "worker.id").as_deref(), Some("w-1"));
+    assert!(
+        attempts_in(&leaser_collector.spans, &trace_id).is_empty(),
+        "only the replica that ended the attempt emits it"
+    );
+    completer.stop().await;
+    leaser.stop().await;
+    leaser_tracing.shutdown().await;
+    completer_tracing.shutdown().await;
+}
+
+async fn an_attempt_the_reaper_ends_has_its_span(backend: Backend) {
+    let mut collector = Collector::start().await;
+    let tracing = collector.pipeline();
+    let server = TestServer::start_with(backend, |s| {
+        s.tracing = tracing.clone();
+        s.reaper_interval = Duration::from_millis(100);
+    })
+    .await;
+    let mut jobs = server.jobs_client("acme");
+    let mut workers = server.workers_client("acme");
+    // No caller context: the job joins the trace its Submit call started.
+    submit(&mut jobs, "obs", "embed", json!({})).await;
+    let mut lease = lease_req("w-gone", "obs", 1, Duration::from_secs(5));
+    lease.lease_duration = Some(secs(1));
+    let leased = workers
+        .lease(lease)
+        .await
+        .expect("Lease succeeds")
+        .into_inner()
+        .jobs
+        .pop()
+        .expect("one job");
+    let given = TraceParent::parse(&leased.traceparent).expect("LeasedJob.traceparent");
+    let trace_id = given.trace_id.to_vec();
+    collector
+        .until(&tracing, "the reclaimed attempt", |spans| {
+            attempts_in(spans, &trace_id).len() == 1
+        })
+        .await;
+    let submit = collector
+        .spans
+        .iter()
+        .find(|s| s.name.ends_with("JobService/Submit"))
+        .expect("Submit span");
+    assert_eq!(submit.trace_id, trace_id, "the Submit call's trace");
+    assert!(submit.parent_span_id.is_empty(), "Submit started the trace");
+    let attempt = &attempts_in(&collector.spans, &trace_id)[0];
+    assert_eq!(attempt.span_id, given.span_id.to_vec());
+    assert_eq!(attempt.parent_span_id, submit.span_id);
+    assert_eq!(
+        attr(attempt, "job.outcome").as_deref(),
+        Some("lease_expired")
+    );
+    assert_eq!(
+        attr(attempt, "error.class").as_deref(),
+        Some("lease_expired")
+    );
+    assert_eq!(status_code(attempt), StatusCode::Error as i32);
+    server.stop().await;
+    tracing.shutdown().await;
+}
+
+// ---------------------------------------------------------------------------
+// Metrics
+// ---------------------------------------------------------------------------
+
+/// `GET /metrics` over a plain HTTP/1.1 connection.
+async fn scrape(addr: SocketAddr) -> String {
+    let mut conn = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("connect to the HTTP port");
+    conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: intray\r\nConnection: close\r\n\r\n")
+        .await
+        .expect("send the request");
+    let mut response = String::new();
+    conn.read_to_string(&mut response)
+        .await
+        .expect("read the response");
+    let (head, body) = response.split_once("\r\n\r\n").expect("an HTTP response");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: text/plain; version=0.0.4"),
+        "{head}"
+    );
+    body.to_owned()
+}
+
+/// `name{labels} value` lines as a map from `name{labels}` to the value.
+fn parse(text: &str) -> HashMap<String, f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| {
+            let (series, value) = l.rsplit_once(' ').expect("series and value");
+            (series.to_owned(), value.parse().expect("a number"))
+        })
+        .collect()
+}
+
+async fn metrics_show_the_jobs_made(backend: Backend) {
+    let server = TestServer::start_with(backend, |s| {
+        s.metrics_refresh = Duration::from_millis(100);
+    })
+    .await;
+    let mut jobs = server.jobs_client("m");
+    let mut workers = server.workers_client("m");
+    // Three runnable jobs, the oldest runnable since 90 s ago.
+    for age in [90, 30, 0] {
+        let mut r = submit_req("depth", "embed", json!({}));
+        r.run_at = Some(ts(chrono::Utc::now() - chrono::Duration::seconds(age)));
+        submit_with(&mut jobs, r).await;
+    }
+    // Two jobs in the dead set.
+    make_failed(&mut jobs, &mut workers, "dead", "bad_input").await;
+    make_failed(&mut jobs, &mut workers, "dead", "bad_input").await;
+
+    let queued = r#"intray_jobs{tenant="m",queue="depth",state="queued"}"#;
+    let failed = r#"intray_jobs{tenant="m",queue="dead",state="failed"}"#;
+    let metrics = within(Duration::from_secs(10), "the gauges to refresh", async {
+        loop {
+            let metrics = parse(&scrape(server.http_addr).await);
+            if metrics.get(queued) == Some(&3.0) && metrics.get(failed) == Some(&2.0) {
+                return metrics;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    let age = metrics[r#"intray_oldest_runnable_job_age_seconds{tenant="m",queue="depth"}"#];
+    assert!((90.0..120.0).contains(&age), "oldest runnable age {age}");
+    assert_eq!(
+        metrics[r#"intray_oldest_runnable_job_age_seconds{tenant="m",queue="dead"}"#], 0.0,
+        "nothing runnable"
+    );
+    assert_eq!(
+        metrics[r#"intray_jobs{tenant="m",queue="depth",state="running"}"#],
+        0.0
+    );
+    assert_eq!(
+        metrics[r#"intray_dead_set_arrivals_total{queue="dead",kind="fail",error_class="bad_input"}"#],
+        2.0
+    );
+    assert_eq!(
+        metrics[r#"intray_attempts_total{queue="dead",kind="fail",outcome="failed",error_class="bad_input"}"#],
+        2.0
+    );
+    assert_eq!(
+        metrics[r#"intray_queue_wait_seconds_count{queue="dead"}"#],
+        2.0
+    );
+    assert_eq!(
+        metrics[r#"intray_attempt_duration_seconds_count{queue="dead",kind="fail"}"#],
+        2.0
+    );
+    assert!(
+        metrics[r#"intray_rpc_responses_total{method="/intray.v1.JobService/Submit",code="OK"}"#]
+            >= 5.0
+    );
+    assert!(metrics.contains_key("intray_long_polling_workers"));
+    server.stop().await;
+}
