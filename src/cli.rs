@@ -118,6 +118,23 @@ pub struct ServeArgs {
     )]
     pub queue_max_running_per_tenant: Vec<(String, u32)>,
 
+    /// Consecutive transient failures of a queue's kind that open its circuit breaker; 0 disables breakers.
+    #[arg(long, env = "INTRAY_BREAKER_THRESHOLD", default_value_t = 5)]
+    pub breaker_threshold: u32,
+
+    /// Shortest time an open breaker stops leasing its kind (a larger retry_after reported wins).
+    #[arg(long, env = "INTRAY_BREAKER_COOLDOWN", default_value = "30s", value_parser = duration)]
+    pub breaker_cooldown: Duration,
+
+    /// Error classes that count against a breaker.
+    #[arg(
+        long,
+        env = "INTRAY_BREAKER_CLASSES",
+        value_delimiter = ',',
+        default_value = "rate_limited,provider_unavailable,timeout"
+    )]
+    pub breaker_classes: Vec<String>,
+
     /// Token file: one `TOKEN TENANT ROLES` line per token (README,
     /// "Security"). Without it the server runs in open development mode.
     #[arg(long, env = "INTRAY_AUTH_FILE", value_name = "PATH")]
@@ -233,6 +250,11 @@ impl ServeArgs {
         s.retention = self.retention;
         s.queue_bound = self.queue_bound;
         s.max_running_per_tenant = self.max_running_per_tenant;
+        s.breaker = crate::domain::breaker::BreakerPolicy {
+            threshold: self.breaker_threshold,
+            cooldown: self.breaker_cooldown,
+            transient_classes: self.breaker_classes.clone(),
+        };
         s.queue_max_running_per_tenant =
             self.queue_max_running_per_tenant.iter().cloned().collect();
         s.auth_file = self.auth_file.clone();

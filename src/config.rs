@@ -40,6 +40,8 @@ pub struct Settings {
     pub max_running_per_tenant: Option<u32>,
     /// Per-queue overrides of `max_running_per_tenant`.
     pub queue_max_running_per_tenant: std::collections::BTreeMap<String, u32>,
+    /// When circuit breakers open (threshold 0: never).
+    pub breaker: crate::domain::breaker::BreakerPolicy,
     /// Token file (see `auth::file`); `None` is open development mode.
     pub auth_file: Option<PathBuf>,
     /// How often the token file and TLS files are checked for changes.
@@ -108,6 +110,13 @@ impl Settings {
             queue_bound: 1_000_000,
             max_running_per_tenant: None,
             queue_max_running_per_tenant: std::collections::BTreeMap::new(),
+            breaker: crate::domain::breaker::BreakerPolicy {
+                threshold: 5,
+                cooldown: Duration::from_secs(30),
+                transient_classes: ["rate_limited", "provider_unavailable", "timeout"]
+                    .map(String::from)
+                    .to_vec(),
+            },
             auth_file: None,
             reload_interval: Duration::from_secs(5),
             tls: None,

@@ -5,6 +5,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use serde_json::Value;
 
+use crate::domain::breaker::BreakerState;
 use crate::domain::validate::{
     HeartbeatInput, LeaseInput, ListInput, OutcomeInput, SubmitInput, ValidationError,
 };
@@ -290,6 +291,20 @@ fn queue_stats(q: &QueueStats) -> pb::QueueStats {
         running: q.count(JobState::Running),
         dead: q.count(JobState::Failed),
         paused: q.paused,
+        breakers: q
+            .breakers
+            .iter()
+            .map(|(kind, b)| pb::BreakerInfo {
+                kind: kind.clone(),
+                state: match b.state(Utc::now()) {
+                    BreakerState::Closed => pb::BreakerState::Closed,
+                    BreakerState::Open => pb::BreakerState::Open,
+                    BreakerState::HalfOpen => pb::BreakerState::HalfOpen,
+                } as i32,
+                failures: b.failures,
+                open_until: opt_timestamp(b.open_until),
+            })
+            .collect(),
     }
 }
 

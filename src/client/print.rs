@@ -12,7 +12,8 @@ use pbjson_types::Timestamp;
 use serde::Serialize;
 
 use crate::pb::{
-    Job, JobEvent, JobEventType, JobState, RetryJobResponse, StatsResponse, SubmitResponse,
+    BreakerState, Job, JobEvent, JobEventType, JobState, RetryJobResponse, StatsResponse,
+    SubmitResponse,
 };
 
 /// Lowercase state name, as `--state` takes it; unknown numbers (a newer
@@ -475,6 +476,23 @@ pub fn write_stats(out: &mut impl Write, stats: &StatsResponse) -> io::Result<()
             &rows,
             &[1, 2, 3, 4, 5, 6],
         )?;
+        for q in &stats.queues {
+            for b in &q.breakers {
+                let state = match BreakerState::try_from(b.state) {
+                    Ok(BreakerState::Open) => "open",
+                    Ok(BreakerState::HalfOpen) => "half-open",
+                    _ => "closed",
+                };
+                let until = b.open_until.as_ref().map_or_else(String::new, |t| {
+                    format!(" until {}", format_timestamp(t, SecondsFormat::Secs))
+                });
+                writeln!(
+                    out,
+                    "breaker {}/{}: {state}{until}, {} consecutive failures",
+                    q.queue, b.kind, b.failures
+                )?;
+            }
+        }
     }
     writeln!(out)?;
     if stats.workers.is_empty() {
@@ -697,6 +715,7 @@ ID                                    STATE   QUEUE    KIND       ATTEMPT  CREAT
                 running: 2,
                 dead: 1,
                 paused: false,
+                breakers: vec![],
             }],
             workers: vec![WorkerInfo {
                 worker_id: "w-1".into(),

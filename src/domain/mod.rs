@@ -3,6 +3,7 @@
 //! pass the time in (the database's time where it matters).
 
 pub mod backoff;
+pub mod breaker;
 pub mod hash;
 pub mod transition;
 pub mod validate;
@@ -344,6 +345,8 @@ pub struct QueueStats {
     pub counts: BTreeMap<&'static str, u64>,
     pub oldest_runnable_age: Option<Duration>,
     pub paused: bool,
+    /// The queue's breakers that are not closed-and-clean, by kind.
+    pub breakers: Vec<(String, breaker::Breaker)>,
 }
 
 impl QueueStats {

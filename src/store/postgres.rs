@@ -23,6 +23,7 @@ use super::{
     Submitted,
 };
 use crate::config::Settings;
+use crate::domain::breaker::{self, Breaker, BreakerChange, BreakerPolicy};
 use crate::domain::transition::{self, TransitionError};
 use crate::domain::{
     Backoff, CompleteSpec, EventType, HeartbeatAck, HeartbeatSpec, Job, JobError, JobEvent,
@@ -45,6 +46,7 @@ pub struct PgStore {
     pool: PgPool,
     notifier: Arc<Notifier>,
     caps: RunningCaps,
+    breaker: BreakerPolicy,
     /// Stops the LISTEN task when the store is dropped.
     listener_stop: CancellationToken,
 }
@@ -241,8 +243,89 @@ impl PgStore {
             pool,
             notifier,
             caps: RunningCaps::from_settings(settings),
+            breaker: settings.breaker.clone(),
             listener_stop,
         })
+    }
+
+    /// Counts an attempt's outcome against its queue and kind's breaker, in
+    /// the caller's transaction. A success touches nothing when the breaker
+    /// has no row (the common case): one primary-key read.
+    async fn update_breaker(
+        &self,
+        conn: &mut PgConnection,
+        job: &Job,
+        failure: Option<&(String, Option<Duration>)>,
+        now: DateTime<Utc>,
+    ) -> StoreResult<()> {
+        if self.breaker.threshold == 0 {
+            return Ok(());
+        }
+        let row = sqlx::query(
+            "SELECT failures, max_retry_after_ms, open_until, probe_job FROM breakers
+             WHERE tenant = $1 AND queue = $2 AND kind = $3 FOR UPDATE",
+        )
+        .bind(&job.tenant)
+        .bind(&job.queue)
+        .bind(&job.kind)
+        .fetch_optional(&mut *conn)
+        .await?;
+        let current = row
+            .map(|row| -> StoreResult<Breaker> {
+                Ok(Breaker {
+                    failures: to_u32(row.try_get("failures")?, "failures")?,
+                    max_retry_after: Duration::from_millis(to_u64(
+                        row.try_get("max_retry_after_ms")?,
+                        "max_retry_after_ms",
+                    )?),
+                    open_until: row.try_get("open_until")?,
+                    probe_job: row.try_get("probe_job")?,
+                })
+            })
+            .transpose()?;
+        let failure = failure.map(|(class, retry_after)| (class.as_str(), *retry_after));
+        match breaker::on_outcome(current.as_ref(), failure, job.id, now, &self.breaker) {
+            BreakerChange::Unchanged => {}
+            BreakerChange::Reset => {
+                sqlx::query("DELETE FROM breakers WHERE tenant = $1 AND queue = $2 AND kind = $3")
+                    .bind(&job.tenant)
+                    .bind(&job.queue)
+                    .bind(&job.kind)
+                    .execute(&mut *conn)
+                    .await?;
+                if current.is_some_and(|b| b.open_until.is_some()) {
+                    tracing::info!(tenant = %job.tenant, queue = %job.queue, kind = %job.kind, "circuit breaker closed");
+                }
+            }
+            BreakerChange::Update { breaker, opened } => {
+                sqlx::query(
+                    "INSERT INTO breakers (tenant, queue, kind, failures, max_retry_after_ms, open_until,
+                        probe_job, updated_at)
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, now())
+                     ON CONFLICT (tenant, queue, kind) DO UPDATE SET failures = EXCLUDED.failures,
+                        max_retry_after_ms = EXCLUDED.max_retry_after_ms,
+                        open_until = EXCLUDED.open_until, probe_job = EXCLUDED.probe_job,
+                        updated_at = now()",
+                )
+                .bind(&job.tenant)
+                .bind(&job.queue)
+                .bind(&job.kind)
+                .bind(i32::try_from(breaker.failures).unwrap_or(i32::MAX))
+                .bind(millis(breaker.max_retry_after))
+                .bind(breaker.open_until)
+                .bind(breaker.probe_job)
+                .execute(&mut *conn)
+                .await?;
+                if opened {
+                    tracing::warn!(
+                        tenant = %job.tenant, queue = %job.queue, kind = %job.kind,
+                        failures = breaker.failures, open_until = ?breaker.open_until,
+                        "circuit breaker opened"
+                    );
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Runs `apply` on the locked job and saves what it decided, in one
@@ -600,6 +683,34 @@ impl Store for PgStore {
                 })
                 .paused = true;
         }
+        let breakers = sqlx::query(
+            "SELECT queue, kind, failures, max_retry_after_ms, open_until, probe_job FROM breakers
+             WHERE tenant = $1 AND ($2::text IS NULL OR queue = $2) ORDER BY queue, kind",
+        )
+        .bind(tenant)
+        .bind(queue)
+        .fetch_all(&self.pool)
+        .await?;
+        for row in &breakers {
+            let queue: String = row.try_get("queue")?;
+            let breaker = Breaker {
+                failures: to_u32(row.try_get("failures")?, "failures")?,
+                max_retry_after: Duration::from_millis(to_u64(
+                    row.try_get("max_retry_after_ms")?,
+                    "max_retry_after_ms",
+                )?),
+                open_until: row.try_get("open_until")?,
+                probe_job: row.try_get("probe_job")?,
+            };
+            by_queue
+                .entry(queue.clone())
+                .or_insert_with(|| QueueStats {
+                    queue,
+                    ..Default::default()
+                })
+                .breakers
+                .push((row.try_get("kind")?, breaker));
+        }
         let workers = workers
             .iter()
             .map(|row| {
@@ -650,7 +761,8 @@ impl Store for PgStore {
                 WHERE state = 'running' AND ($1::text IS NULL OR tenant = $1)
                 GROUP BY tenant, queue
              ), candidates AS (
-                SELECT c.id, c.priority, c.run_at,
+                SELECT c.id, c.priority, c.run_at, c.kind, c.half_open,
+                    t.tenant || '/' || q.name AS tenant_load_key,
                     COALESCE((SELECT sum(r.n) FROM running r WHERE r.tenant = t.tenant), 0)
                       + row_number() OVER (PARTITION BY t.tenant
                                            ORDER BY c.priority DESC, c.run_at, c.id) AS tenant_load,
@@ -662,10 +774,21 @@ impl Store for PgStore {
                 FROM tenants t
                 CROSS JOIN unnest($2::text[]) AS q(name)
                 CROSS JOIN LATERAL (
-                    SELECT id, priority, run_at FROM jobs
+                    SELECT id, priority, run_at, kind,
+                        EXISTS (SELECT 1 FROM breakers b
+                                WHERE b.tenant = t.tenant AND b.queue = q.name AND b.kind = jobs.kind
+                                  AND b.open_until IS NOT NULL) AS half_open
+                    FROM jobs
                     WHERE tenant = t.tenant AND queue = q.name AND state = 'queued' AND run_at <= now()
                       AND (cardinality($3::text[]) = 0 OR kind = ANY($3))
                       AND (deadline IS NULL OR deadline > now())
+                      AND NOT EXISTS (
+                          SELECT 1 FROM breakers b
+                          WHERE b.tenant = t.tenant AND b.queue = q.name AND b.kind = jobs.kind
+                            AND (b.open_until > now()
+                                 OR EXISTS (SELECT 1 FROM jobs p
+                                            WHERE p.id = b.probe_job AND p.state = 'running'))
+                      )
                     ORDER BY priority DESC, run_at, id
                     LIMIT $4
                     FOR UPDATE SKIP LOCKED
@@ -674,7 +797,12 @@ impl Store for PgStore {
                     SELECT 1 FROM paused_queues p WHERE p.tenant = t.tenant AND p.queue = q.name
                 )
              ), picked AS (
-                SELECT id FROM candidates WHERE queue_load <= cap
+                SELECT id FROM (
+                    SELECT *, row_number() OVER (PARTITION BY tenant_load_key, kind
+                                                 ORDER BY priority DESC, run_at, id) AS kind_rank
+                    FROM candidates
+                ) ranked
+                WHERE queue_load <= cap AND (NOT half_open OR kind_rank = 1)
                 ORDER BY tenant_load, priority DESC, run_at, id
                 LIMIT $4
              ), upd AS (
@@ -692,6 +820,14 @@ impl Store for PgStore {
              ), ev AS (
                 INSERT INTO job_events (job_id, sequence, type, state, attempt, worker_id, at)
                 SELECT id, event_seq, 'leased', 'running', attempt, lease_owner, updated_at FROM upd
+             ), probes AS (
+                -- A job leased from a half-open breaker is its probe.
+                UPDATE breakers b SET probe_job = u.id, updated_at = now()
+                FROM upd u
+                WHERE b.tenant = u.tenant AND b.queue = u.queue AND b.kind = u.kind
+                  AND b.open_until <= now()
+                  AND (b.probe_job IS NULL
+                       OR NOT EXISTS (SELECT 1 FROM jobs p WHERE p.id = b.probe_job AND p.state = 'running'))
              )
              SELECT * FROM upd",
         )
@@ -815,6 +951,7 @@ impl Store for PgStore {
             };
             let jitter = rand::random::<f64>();
             let attempt = job.running_attempt();
+            let failure = breaker::failure_of(&item.outcome);
             match transition::complete(
                 &mut job,
                 &item.lease_token,
@@ -825,6 +962,8 @@ impl Store for PgStore {
             ) {
                 Ok(event) => {
                     save(&mut tx, &job, &event).await?;
+                    self.update_breaker(&mut tx, &job, failure.as_ref(), now)
+                        .await?;
                     changes.job(&job);
                     // A successful complete always ended a running attempt.
                     results.push(

@@ -27,6 +27,7 @@ use super::{
     Submitted,
 };
 use crate::config::Settings;
+use crate::domain::breaker::{self, Breaker, BreakerChange, BreakerPolicy};
 use crate::domain::transition::{self, TransitionError};
 use crate::domain::{
     Backoff, CompleteSpec, EventType, HeartbeatAck, HeartbeatSpec, Job, JobError, JobEvent,
@@ -64,6 +65,7 @@ pub struct SqliteStore {
     reader: SqlitePool,
     notifier: Arc<Notifier>,
     caps: RunningCaps,
+    breaker: BreakerPolicy,
 }
 
 type Tx = Transaction<'static, sqlx::Sqlite>;
@@ -184,6 +186,21 @@ fn job_from_row(row: &SqliteRow) -> StoreResult<Job> {
     })
 }
 
+fn breaker_from_row(row: &SqliteRow) -> StoreResult<Breaker> {
+    Ok(Breaker {
+        failures: to_u32(row.try_get("failures")?, "failures")?,
+        max_retry_after: Duration::from_millis(to_u64(
+            row.try_get("max_retry_after_ms")?,
+            "max_retry_after_ms",
+        )?),
+        open_until: opt_ts(row, "open_until")?,
+        probe_job: row
+            .try_get::<Option<String>, _>("probe_job")?
+            .map(|id| Uuid::parse_str(&id).map_err(|_| corrupt("probe_job")))
+            .transpose()?,
+    })
+}
+
 fn event_from_row(row: &SqliteRow) -> StoreResult<JobEvent> {
     let kind: String = row.try_get("type")?;
     let state: String = row.try_get("state")?;
@@ -284,6 +301,7 @@ impl SqliteStore {
             reader,
             notifier,
             caps: RunningCaps::from_settings(settings),
+            breaker: settings.breaker.clone(),
         })
     }
 
@@ -294,6 +312,73 @@ impl SqliteStore {
     async fn commit(&self, tx: Tx, changes: &Changes) -> StoreResult<()> {
         tx.commit().await?;
         changes.wake(&self.notifier);
+        Ok(())
+    }
+
+    /// Counts an attempt's outcome against its queue and kind's breaker, in
+    /// the caller's transaction (see the PostgreSQL store).
+    async fn update_breaker(
+        &self,
+        conn: &mut SqliteConnection,
+        job: &Job,
+        failure: Option<&(String, Option<Duration>)>,
+        now: DateTime<Utc>,
+    ) -> StoreResult<()> {
+        if self.breaker.threshold == 0 {
+            return Ok(());
+        }
+        let current =
+            sqlx::query("SELECT * FROM breakers WHERE tenant = ?1 AND queue = ?2 AND kind = ?3")
+                .bind(&job.tenant)
+                .bind(&job.queue)
+                .bind(&job.kind)
+                .fetch_optional(&mut *conn)
+                .await?
+                .map(|row| breaker_from_row(&row))
+                .transpose()?;
+        let failure = failure.map(|(class, retry_after)| (class.as_str(), *retry_after));
+        match breaker::on_outcome(current.as_ref(), failure, job.id, now, &self.breaker) {
+            BreakerChange::Unchanged => {}
+            BreakerChange::Reset => {
+                sqlx::query("DELETE FROM breakers WHERE tenant = ?1 AND queue = ?2 AND kind = ?3")
+                    .bind(&job.tenant)
+                    .bind(&job.queue)
+                    .bind(&job.kind)
+                    .execute(&mut *conn)
+                    .await?;
+                if current.is_some_and(|b| b.open_until.is_some()) {
+                    tracing::info!(tenant = %job.tenant, queue = %job.queue, kind = %job.kind, "circuit breaker closed");
+                }
+            }
+            BreakerChange::Update { breaker, opened } => {
+                sqlx::query(
+                    "INSERT INTO breakers (tenant, queue, kind, failures, max_retry_after_ms, open_until,
+                        probe_job, updated_at)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)
+                     ON CONFLICT (tenant, queue, kind) DO UPDATE SET failures = excluded.failures,
+                        max_retry_after_ms = excluded.max_retry_after_ms,
+                        open_until = excluded.open_until, probe_job = excluded.probe_job,
+                        updated_at = excluded.updated_at",
+                )
+                .bind(&job.tenant)
+                .bind(&job.queue)
+                .bind(&job.kind)
+                .bind(i64::from(breaker.failures))
+                .bind(duration_ms(breaker.max_retry_after))
+                .bind(opt_ms(breaker.open_until))
+                .bind(breaker.probe_job.map(|id| id.to_string()))
+                .bind(ms(now))
+                .execute(&mut *conn)
+                .await?;
+                if opened {
+                    tracing::warn!(
+                        tenant = %job.tenant, queue = %job.queue, kind = %job.kind,
+                        failures = breaker.failures, open_until = ?breaker.open_until,
+                        "circuit breaker opened"
+                    );
+                }
+            }
+        }
         Ok(())
     }
 
@@ -631,6 +716,25 @@ impl Store for SqliteStore {
                 })
                 .paused = true;
         }
+        let breakers = sqlx::query(
+            "SELECT * FROM breakers WHERE tenant = ?1 AND (?2 IS NULL OR queue = ?2) ORDER BY queue, kind",
+        )
+        .bind(tenant)
+        .bind(queue)
+        .fetch_all(&self.reader)
+        .await?;
+        for row in &breakers {
+            let queue: String = row.try_get("queue")?;
+            let breaker = breaker_from_row(row)?;
+            by_queue
+                .entry(queue.clone())
+                .or_insert_with(|| QueueStats {
+                    queue,
+                    ..Default::default()
+                })
+                .breakers
+                .push((row.try_get("kind")?, breaker));
+        }
         let workers = workers
             .iter()
             .map(|row| {
@@ -689,7 +793,10 @@ impl Store for SqliteStore {
                 WHERE state = 'running' AND (?1 IS NULL OR tenant = ?1)
                 GROUP BY tenant, queue
              ), candidates AS (
-                SELECT j.id, j.priority, j.run_at,
+                SELECT j.id, j.priority, j.run_at, j.tenant, j.queue, j.kind,
+                    EXISTS (SELECT 1 FROM breakers b
+                            WHERE b.tenant = j.tenant AND b.queue = j.queue AND b.kind = j.kind
+                              AND b.open_until IS NOT NULL) AS half_open,
                     coalesce((SELECT sum(r.n) FROM running r WHERE r.tenant = j.tenant), 0)
                       + row_number() OVER (PARTITION BY j.tenant
                                            ORDER BY j.priority DESC, j.run_at, j.id) AS tenant_load,
@@ -703,11 +810,23 @@ impl Store for SqliteStore {
                     WHERE tenant = p.tenant AND queue = p.queue AND state = 'queued' AND run_at <= ?6
                       AND (?3 = '[]' OR kind IN (SELECT value FROM json_each(?3)))
                       AND (deadline IS NULL OR deadline > ?6)
+                      AND NOT EXISTS (
+                          SELECT 1 FROM breakers b
+                          WHERE b.tenant = p.tenant AND b.queue = p.queue AND b.kind = jobs.kind
+                            AND (b.open_until > ?6
+                                 OR EXISTS (SELECT 1 FROM jobs pr
+                                            WHERE pr.id = b.probe_job AND pr.state = 'running'))
+                      )
                     ORDER BY priority DESC, run_at, id
                     LIMIT ?4
                 )
              ), picked AS (
-                SELECT id FROM candidates WHERE queue_load <= cap
+                SELECT id FROM (
+                    SELECT *, row_number() OVER (PARTITION BY tenant, queue, kind
+                                                 ORDER BY priority DESC, run_at, id) AS kind_rank
+                    FROM candidates
+                )
+                WHERE queue_load <= cap AND (NOT half_open OR kind_rank = 1)
                 ORDER BY tenant_load, priority DESC, run_at, id
                 LIMIT ?4
              )
@@ -758,6 +877,21 @@ impl Store for SqliteStore {
                     detail: None,
                 },
             )
+            .await?;
+            // A job leased from a half-open breaker is its probe.
+            sqlx::query(
+                "UPDATE breakers SET probe_job = ?4, updated_at = ?5
+                 WHERE tenant = ?1 AND queue = ?2 AND kind = ?3 AND open_until <= ?5
+                   AND (probe_job IS NULL
+                        OR NOT EXISTS (SELECT 1 FROM jobs p WHERE p.id = breakers.probe_job
+                                                              AND p.state = 'running'))",
+            )
+            .bind(&job.tenant)
+            .bind(&job.queue)
+            .bind(&job.kind)
+            .bind(job.id.to_string())
+            .bind(now)
+            .execute(&mut *tx)
             .await?;
             changes.job(job);
         }
@@ -870,6 +1004,7 @@ impl Store for SqliteStore {
             };
             let jitter = rand::random::<f64>();
             let attempt = job.running_attempt();
+            let failure = breaker::failure_of(&item.outcome);
             match transition::complete(
                 &mut job,
                 &item.lease_token,
@@ -880,6 +1015,8 @@ impl Store for SqliteStore {
             ) {
                 Ok(event) => {
                     save(&mut tx, &job, &event).await?;
+                    self.update_breaker(&mut tx, &job, failure.as_ref(), now)
+                        .await?;
                     changes.job(&job);
                     // A successful complete always ended a running attempt.
                     results.push(
