@@ -40,6 +40,19 @@ MSG
   exit 1
 fi
 
+# The clock-skew fault test runs a server under libfaketime.
+if [ ! -e /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "test.sh: installing Debian's faketime package for the clock-skew test" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q faketime >/dev/null ||
+      { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q faketime >/dev/null; }
+  fi
+fi
+if [ ! -e /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 ]; then
+  echo "test.sh: missing libfaketime (Debian package faketime: apt-get install faketime); the clock-skew test needs it" >&2
+  exit 1
+fi
+
 # Databases left behind by an interrupted earlier run.
 if command -v psql >/dev/null 2>&1; then
   psql "$INTRAY_TEST_PG_URL" -Atqc \
@@ -50,3 +63,7 @@ if command -v psql >/dev/null 2>&1; then
 fi
 
 cargo test --all-targets "$@"
+
+# The Helm chart: linted, rendered with Helm's own engine and validated
+# against the Kubernetes schemas (its own virtualenv; see the script).
+scripts/chart-test.sh

@@ -118,6 +118,10 @@ pub struct ServeArgs {
     )]
     pub queue_max_running_per_tenant: Vec<(String, u32)>,
 
+    /// On SIGTERM/SIGINT, how long in-flight calls may run on before they are dropped.
+    #[arg(long, env = "INTRAY_SHUTDOWN_GRACE", default_value = "20s", value_parser = duration)]
+    pub shutdown_grace: Duration,
+
     /// Consecutive transient failures of a queue's kind that open its circuit breaker; 0 disables breakers.
     #[arg(long, env = "INTRAY_BREAKER_THRESHOLD", default_value_t = 5)]
     pub breaker_threshold: u32,
@@ -250,6 +254,7 @@ impl ServeArgs {
         s.retention = self.retention;
         s.queue_bound = self.queue_bound;
         s.max_running_per_tenant = self.max_running_per_tenant;
+        s.shutdown_grace = self.shutdown_grace;
         s.breaker = crate::domain::breaker::BreakerPolicy {
             threshold: self.breaker_threshold,
             cooldown: self.breaker_cooldown,

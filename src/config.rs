@@ -40,6 +40,8 @@ pub struct Settings {
     pub max_running_per_tenant: Option<u32>,
     /// Per-queue overrides of `max_running_per_tenant`.
     pub queue_max_running_per_tenant: std::collections::BTreeMap<String, u32>,
+    /// How long in-flight calls may run on after shutdown starts.
+    pub shutdown_grace: Duration,
     /// When circuit breakers open (threshold 0: never).
     pub breaker: crate::domain::breaker::BreakerPolicy,
     /// Token file (see `auth::file`); `None` is open development mode.
@@ -110,6 +112,7 @@ impl Settings {
             queue_bound: 1_000_000,
             max_running_per_tenant: None,
             queue_max_running_per_tenant: std::collections::BTreeMap::new(),
+            shutdown_grace: Duration::from_secs(20),
             breaker: crate::domain::breaker::BreakerPolicy {
                 threshold: 5,
                 cooldown: Duration::from_secs(30),

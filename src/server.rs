@@ -104,6 +104,7 @@ pub async fn run_with(
     let store = store::open(&settings, Arc::clone(&notifier)).await?;
     let stop = CancellationToken::new();
     let reaper_interval = settings.reaper_interval;
+    let shutdown_grace = settings.shutdown_grace;
     let reload_interval = settings.reload_interval;
     let metrics = Arc::new(Metrics::new());
     let observer = Arc::new(Observer::new(
@@ -246,12 +247,28 @@ pub async fn run_with(
         .add_service(reflection_v1alpha)
         .add_service(jobs)
         .add_service(workers);
-    let served = match tls {
-        Some(tls) => {
-            let incoming = crate::tls::incoming::incoming(incoming, tls, stop.clone());
-            router.serve_with_incoming_shutdown(incoming, signal).await
+    let serve = async {
+        match tls {
+            Some(tls) => {
+                let incoming = crate::tls::incoming::incoming(incoming, tls, stop.clone());
+                router.serve_with_incoming_shutdown(incoming, signal).await
+            }
+            None => router.serve_with_incoming_shutdown(incoming, signal).await,
         }
-        None => router.serve_with_incoming_shutdown(incoming, signal).await,
+    };
+    // Once shutdown starts, in-flight calls get `shutdown_grace` to finish;
+    // then they are dropped (their open transactions roll back, so nothing
+    // half-done is kept) and the process may exit.
+    let grace_over = async {
+        stop.cancelled().await;
+        tokio::time::sleep(shutdown_grace).await;
+    };
+    let served = tokio::select! {
+        served = serve => served,
+        () = grace_over => {
+            tracing::warn!(grace = ?shutdown_grace, "calls still running after the shutdown grace were dropped");
+            Ok(())
+        }
     };
 
     stop.cancel();

@@ -30,12 +30,10 @@ common::backend_tests!(bad_input_writes_nothing, bounds_are_inclusive);
 /// the validation. No row is written either way.
 mod nesting {
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-    #[ignore = "bug: JSON nested 50..=65 deep is refused by prost's recursion limit with INTERNAL, not INVALID_ARGUMENT; 64 is documented as accepted"]
     async fn sqlite() {
         super::json_nesting_bounds(super::Backend::Sqlite).await
     }
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-    #[ignore = "bug: JSON nested 50..=65 deep is refused by prost's recursion limit with INTERNAL, not INVALID_ARGUMENT; 64 is documented as accepted"]
     async fn postgres() {
         super::json_nesting_bounds(super::Backend::Postgres).await
     }
@@ -665,7 +663,11 @@ async fn bounds_are_inclusive(backend: Backend) {
     let server = TestServer::start(backend).await;
     let mut jobs = server.jobs_client(TENANT);
     let mut workers = server.workers_client(TENANT);
-    let mut r = submit_req(&"q".repeat(128), &"k/".repeat(64), nested(40));
+    let mut r = submit_req(
+        &"q".repeat(128),
+        &"k/".repeat(64),
+        nested(intray::domain::validate::MAX_JSON_DEPTH),
+    );
     r.idempotency_key = "i".repeat(256);
     r.priority = -1000;
     r.max_attempts = Some(100);
@@ -750,13 +752,14 @@ async fn json_nesting_bounds(backend: Backend) {
         }
         v
     };
-    submit(&mut jobs, "q", "k", nested(64)).await;
-    submit(&mut jobs, "q", "k", objects(64)).await;
+    let max = intray::domain::validate::MAX_JSON_DEPTH;
+    submit(&mut jobs, "q", "k", nested(max)).await;
+    submit(&mut jobs, "q", "k", objects(max)).await;
     let leased = lease_one(&mut workers, "w", "q").await;
     let before = rows(&server).await;
     for (payload, what) in [
-        (nested(65), "arrays 65 deep"),
-        (objects(65), "objects 65 deep"),
+        (nested(max + 1), "arrays nested one level too deep"),
+        (objects(max + 1), "objects nested one level too deep"),
     ] {
         expect_invalid(
             jobs.submit(submit_req("q", "k", payload.clone())).await,
@@ -771,8 +774,8 @@ async fn json_nesting_bounds(backend: Backend) {
     }
     assert_eq!(before, rows(&server).await, "refused calls wrote nothing");
     workers
-        .complete(success_req(&leased, nested(64)))
+        .complete(success_req(&leased, objects(max)))
         .await
-        .expect("a result 64 deep is accepted");
+        .expect("a result at the nesting bound is accepted");
     server.stop().await;
 }

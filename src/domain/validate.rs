@@ -55,8 +55,11 @@ pub const MAX_WAIT: Duration = Duration::from_secs(60);
 pub const MAX_LEASE_JOBS: u32 = 100;
 /// Most items in `SubmitBatch` / `CompleteBatch`.
 pub const MAX_BATCH: usize = 1000;
-/// Deepest JSON nesting accepted in a payload or result.
-pub const MAX_JSON_DEPTH: usize = 64;
+/// Deepest JSON nesting accepted in a payload or result. protobuf's decoder
+/// refuses messages nested beyond 100 levels and a JSON object level costs
+/// three (Value, Struct, map entry), so 32 keeps every value the bound
+/// allows decodable.
+pub const MAX_JSON_DEPTH: usize = 32;
 /// Most labels on one job.
 pub const MAX_LABELS: usize = 32;
 /// Largest `List` page.

@@ -39,10 +39,13 @@ impl From<sqlx::Error> for StoreError {
             | sqlx::Error::WorkerCrashed
             | sqlx::Error::Protocol(_) => StoreError::Unavailable(err),
             sqlx::Error::Database(db) => match db.code().as_deref() {
-                // serialization failure, deadlock, admin shutdown, cannot connect now,
-                // too many connections, SQLite busy/locked
+                // Worth retrying: serialization failure, deadlock, connection
+                // exceptions (class 08), admin/crash shutdown, cannot connect
+                // now, database not accepting connections, too many
+                // connections, SQLite busy/locked.
                 Some(
-                    "40001" | "40P01" | "57P01" | "57P03" | "53300" | "5" | "6" | "261" | "517",
+                    "40001" | "40P01" | "08000" | "08001" | "08003" | "08004" | "08006" | "57P01"
+                    | "57P02" | "57P03" | "55000" | "53300" | "5" | "6" | "261" | "517",
                 ) => StoreError::Unavailable(err),
                 _ => StoreError::Internal(err.to_string()),
             },

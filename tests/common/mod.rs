@@ -47,6 +47,8 @@ pub enum Backend {
 
 /// Defines one `#[tokio::test]` per backend for each listed
 /// `async fn name(backend: Backend)`, in modules `sqlite` and `postgres`.
+/// (Suites about one backend only, such as tests/outage.rs, do not use it.)
+#[allow(unused_macros)]
 macro_rules! backend_tests {
     ($($name:ident),* $(,)?) => {
         mod sqlite {
@@ -67,6 +69,7 @@ macro_rules! backend_tests {
         }
     };
 }
+#[allow(unused_imports)]
 pub(crate) use backend_tests;
 
 // ---------------------------------------------------------------------------

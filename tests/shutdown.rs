@@ -1,0 +1,76 @@
+//! Graceful shutdown, on both backends: a parked long-poll `Lease` returns
+//! empty at once, a `WatchJob` stream ends cleanly (the client resumes from
+//! its last sequence elsewhere), and the server stops well within its grace.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use futures::StreamExt;
+use intray::pb;
+use serde_json::json;
+
+common::backend_tests!(shutdown_ends_long_polls_and_streams_promptly);
+
+async fn shutdown_ends_long_polls_and_streams_promptly(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+    let job = submit(&mut jobs, "elsewhere", "k", json!({})).await;
+
+    let poll = tokio::spawn(async move {
+        let started = Instant::now();
+        let leased = workers
+            .lease(lease_req("w", "empty", 1, Duration::from_secs(30)))
+            .await
+            .map(|r| r.into_inner().jobs.len());
+        (leased, started.elapsed())
+    });
+    let mut stream = jobs
+        .watch_job(pb::WatchJobRequest {
+            id: job.id.clone(),
+            after_sequence: 0,
+        })
+        .await
+        .expect("WatchJob")
+        .into_inner();
+    let first = within(Duration::from_secs(5), "first event", stream.next())
+        .await
+        .expect("an event")
+        .expect("not an error");
+    assert_eq!(first.sequence, 1);
+    let watch = tokio::spawn(async move {
+        let started = Instant::now();
+        let mut more = 0;
+        while let Some(item) = stream.next().await {
+            item.expect("the stream ends cleanly, not with an error");
+            more += 1;
+        }
+        (more, started.elapsed())
+    });
+    // Let the long-poll park.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let stopping = Instant::now();
+    server.stop().await;
+    let stop_took = stopping.elapsed();
+    assert!(
+        stop_took < Duration::from_secs(10),
+        "stopped in {stop_took:?}"
+    );
+
+    let (leased, waited) = within(Duration::from_secs(10), "long-poll", poll)
+        .await
+        .expect("task");
+    assert_eq!(leased.expect("the long-poll answers OK"), 0, "with nothing");
+    assert!(
+        waited < Duration::from_secs(10),
+        "returned at shutdown, not after its 30 s wait: {waited:?}"
+    );
+    let (more, ended_after) = within(Duration::from_secs(10), "watch", watch)
+        .await
+        .expect("task");
+    assert_eq!(more, 0, "no event was invented");
+    assert!(ended_after < Duration::from_secs(10), "{ended_after:?}");
+}
