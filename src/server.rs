@@ -18,7 +18,7 @@ use crate::engine::observer::Observer;
 use crate::engine::{gauges, notifier::Notifier, reaper};
 use crate::pb::job_service_server::JobServiceServer;
 use crate::pb::worker_service_server::WorkerServiceServer;
-use crate::protect::{CallLimitLayer, RateLimitLayer};
+use crate::protect::{CallLimitLayer, DecodeErrorsLayer, RateLimitLayer};
 use crate::store::{self, StoreError};
 use crate::telemetry::Metrics;
 use crate::telemetry::rpc::RpcLayer;
@@ -124,7 +124,8 @@ pub async fn run_with(
         .layer(CallLimitLayer::new(
             settings.rpc_timeout,
             settings.concurrency_limit,
-        ));
+        ))
+        .layer(DecodeErrorsLayer);
     let keepalive = (
         settings.http2_keepalive_interval,
         settings.http2_keepalive_timeout,

@@ -440,7 +440,11 @@ async fn oversized_request_is_refused_and_nothing_written(backend: Backend) {
     let res = acme
         .submit_batch(pb::SubmitBatchRequest { jobs: items })
         .await;
-    expect_code(res, Code::OutOfRange, "a request over the 16 MiB limit");
+    expect_code(
+        res,
+        Code::ResourceExhausted,
+        "a request over the 16 MiB limit",
+    );
     let listed = acme.list(list_req()).await.expect("list").into_inner();
     assert!(listed.jobs.is_empty(), "nothing was written");
     server.stop().await;

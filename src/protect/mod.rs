@@ -2,9 +2,11 @@
 //! per-call timeout and concurrency limit that spare long-polls and
 //! streams. (Message size limits are set per service in `server.rs`.)
 
+pub mod decode;
 pub mod limit;
 pub mod rate;
 
+pub use decode::DecodeErrorsLayer;
 pub use limit::CallLimitLayer;
 pub use rate::{RateLimitLayer, RateLimiter};
 
