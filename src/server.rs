@@ -180,7 +180,8 @@ pub async fn run_with(
         tokio::spawn(crate::telemetry::http::serve(
             listener,
             metrics,
-            stop.clone().cancelled_owned(),
+            tls.clone(),
+            stop.clone(),
         ))
     });
     let mut watchers = Vec::new();

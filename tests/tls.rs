@@ -1,12 +1,19 @@
-//! TLS and mTLS on the gRPC port, with certificates made at test time.
-//! TLS does not depend on the store, so these run on SQLite only.
+//! TLS and mTLS on the gRPC and HTTP ports, with certificates made at test
+//! time. TLS does not depend on the store, so these run on SQLite only.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use intray::config::{Settings, TlsFiles};
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
 use tokio::task::JoinHandle;
+use tokio_rustls::TlsConnector;
+use tokio_rustls::rustls::pki_types::pem::PemObject;
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use tokio_rustls::rustls::{self, ClientConfig, RootCertStore};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 use tonic_health::pb::HealthCheckRequest;
@@ -58,6 +65,7 @@ fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
 
 struct TlsServer {
     addr: std::net::SocketAddr,
+    http_addr: std::net::SocketAddr,
     stop: CancellationToken,
     task: JoinHandle<Result<(), intray::server::ServerError>>,
     _dir: tempfile::TempDir,
@@ -75,14 +83,20 @@ impl TlsServer {
             .await
             .expect("bind");
         let addr = listener.local_addr().expect("address");
+        let http = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind http");
+        let http_addr = http.local_addr().expect("http address");
         let stop = CancellationToken::new();
-        let task = tokio::spawn(intray::server::run(
+        let task = tokio::spawn(intray::server::run_with(
             settings,
             listener,
+            Some(http),
             stop.clone().cancelled_owned(),
         ));
         TlsServer {
             addr,
+            http_addr,
             stop,
             task,
             _dir: dir,
@@ -132,6 +146,68 @@ async fn until_up(addr: std::net::SocketAddr, tls: &ClientTlsConfig) {
     }
 }
 
+/// `GET /metrics` over a fresh connection, by hand: over TLS trusting `ca`
+/// (with `identity` as client certificate) when given, else plaintext.
+/// The response head and body, or why there was none.
+async fn get_metrics(
+    addr: std::net::SocketAddr,
+    ca: Option<&Ca>,
+    identity: Option<&Pem>,
+) -> Result<String, String> {
+    let tcp = TcpStream::connect(addr)
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    let Some(ca) = ca else {
+        return http_get(tcp).await;
+    };
+    let mut roots = RootCertStore::empty();
+    roots
+        .add(CertificateDer::from_pem_slice(ca.pem().as_bytes()).expect("CA PEM"))
+        .expect("CA root");
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_root_certificates(roots);
+    let mut config = match identity {
+        Some(pem) => builder
+            .with_client_auth_cert(
+                vec![CertificateDer::from_pem_slice(pem.cert.as_bytes()).expect("cert PEM")],
+                PrivateKeyDer::from_pem_slice(pem.key.as_bytes()).expect("key PEM"),
+            )
+            .expect("client identity"),
+        None => builder.with_no_client_auth(),
+    };
+    // What Prometheus offers.
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    let name = ServerName::try_from("localhost").expect("server name");
+    let tls = TlsConnector::from(Arc::new(config))
+        .connect(name, tcp)
+        .await
+        .map_err(|e| format!("handshake: {e}"))?;
+    http_get(tls).await
+}
+
+async fn http_get(mut io: impl AsyncRead + AsyncWrite + Unpin) -> Result<String, String> {
+    let exchange = async {
+        io.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+            .await?;
+        io.flush().await?;
+        let mut response = Vec::new();
+        io.read_to_end(&mut response).await?;
+        Ok::<_, std::io::Error>(String::from_utf8_lossy(&response).into_owned())
+    };
+    let response = tokio::time::timeout(Duration::from_secs(5), exchange)
+        .await
+        .map_err(|_| "timed out".to_owned())?
+        .map_err(|e| format!("exchange: {e}"))?;
+    if response.starts_with("HTTP/1.1 200") {
+        Ok(response)
+    } else {
+        Err(format!("not a 200: {response:?}"))
+    }
+}
+
 fn client(ca: &Ca) -> ClientTlsConfig {
     ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(ca.pem()))
@@ -162,6 +238,25 @@ async fn tls_client_with_the_ca_connects_and_plaintext_fails() {
     check(server.addr, Some(client(&ca)))
         .await
         .expect("still serving after refused clients");
+
+    // The HTTP port: same certificate, plaintext refused.
+    let metrics = get_metrics(server.http_addr, Some(&ca), None)
+        .await
+        .expect("HTTPS GET /metrics with the CA");
+    assert!(
+        metrics.contains("intray_"),
+        "metrics in the body: {metrics}"
+    );
+    let plain = get_metrics(server.http_addr, None, None).await;
+    assert!(plain.is_err(), "plaintext HTTP must fail: {plain:?}");
+    let untrusted = get_metrics(server.http_addr, Some(&other_ca), None).await;
+    assert!(
+        untrusted.is_err(),
+        "a client not trusting the CA fails: {untrusted:?}"
+    );
+    get_metrics(server.http_addr, Some(&ca), None)
+        .await
+        .expect("the HTTP port still serves after refused clients");
     server.stop().await;
 }
 
@@ -199,6 +294,21 @@ async fn mtls_refuses_clients_without_a_certificate_from_the_client_ca() {
     check(server.addr, Some(with_cert))
         .await
         .expect("the good client still works");
+
+    // The HTTP port asks for the same client certificates.
+    let without = get_metrics(server.http_addr, Some(&ca), None).await;
+    assert!(
+        without.is_err(),
+        "HTTP without a client certificate must be refused: {without:?}"
+    );
+    let wrong = get_metrics(server.http_addr, Some(&ca), Some(&stranger)).await;
+    assert!(
+        wrong.is_err(),
+        "HTTP with another CA's certificate must be refused: {wrong:?}"
+    );
+    get_metrics(server.http_addr, Some(&ca), Some(&worker))
+        .await
+        .expect("HTTPS with the client certificate");
     server.stop().await;
 }
 
@@ -240,6 +350,15 @@ async fn a_rewritten_certificate_is_used_for_new_connections() {
     assert!(
         old.is_err(),
         "new connections get the new certificate: {old:?}"
+    );
+    // The HTTP port reloads with it.
+    get_metrics(server.http_addr, Some(&second_ca), None)
+        .await
+        .expect("the HTTP port serves the new certificate");
+    let old = get_metrics(server.http_addr, Some(&first_ca), None).await;
+    assert!(
+        old.is_err(),
+        "the HTTP port no longer serves the old one: {old:?}"
     );
     server.stop().await;
 }

@@ -1,6 +1,7 @@
-//! The HTTP port: `GET /metrics` in the Prometheus text format.
+//! The HTTP port: `GET /metrics` in the Prometheus text format, over TLS
+//! when the gRPC port has it (same certificate, client CA and reload).
 
-use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::Router;
@@ -8,9 +9,15 @@ use axum::extract::State;
 use axum::http::header;
 use axum::response::IntoResponse;
 use axum::routing::get;
-use tokio::net::TcpListener;
+use futures::StreamExt;
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::server::TlsStream;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::server::TcpIncoming;
 
 use super::metrics::Metrics;
+use crate::tls::{Port, TlsState};
 
 /// Content type of the text exposition format.
 const TEXT_FORMAT: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -19,18 +26,75 @@ async fn metrics(State(metrics): State<Arc<Metrics>>) -> impl IntoResponse {
     ([(header::CONTENT_TYPE, TEXT_FORMAT)], metrics.render())
 }
 
-/// Serves the HTTP port on `listener` until `shutdown` completes. A scrape
-/// only renders what is in memory: the database gauges are refreshed on a
-/// timer, so scrapes cost the database nothing.
+/// Serves the HTTP port on `listener` until `stop` is cancelled, over TLS
+/// when `tls` is given. A scrape only renders what is in memory: the
+/// database gauges are refreshed on a timer, so scrapes cost the database
+/// nothing.
 pub async fn serve(
     listener: TcpListener,
     metrics: Arc<Metrics>,
-    shutdown: impl Future<Output = ()> + Send + 'static,
+    tls: Option<Arc<TlsState>>,
+    stop: CancellationToken,
 ) -> std::io::Result<()> {
     let app = Router::new()
         .route("/metrics", get(self::metrics))
         .with_state(metrics);
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
+    let shutdown = stop.clone().cancelled_owned();
+    match tls {
+        None => {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(shutdown)
+                .await
+        }
+        Some(tls) => {
+            let listener = TlsListener::new(listener, tls, stop)?;
+            axum::serve(listener, app)
+                .with_graceful_shutdown(shutdown)
+                .await
+        }
+    }
+}
+
+/// The HTTP port's connections after their TLS handshake, made by the same
+/// accept loop as the gRPC port's ([`crate::tls::incoming`]).
+struct TlsListener {
+    local: SocketAddr,
+    conns: ReceiverStream<Result<TlsStream<TcpStream>, std::io::Error>>,
+}
+
+impl TlsListener {
+    fn new(
+        listener: TcpListener,
+        tls: Arc<TlsState>,
+        stop: CancellationToken,
+    ) -> std::io::Result<TlsListener> {
+        let local = listener.local_addr()?;
+        let tcp = TcpIncoming::from(listener).with_nodelay(Some(true));
+        let conns = crate::tls::incoming::incoming_for(Port::Http, tcp, tls, stop);
+        Ok(TlsListener { local, conns })
+    }
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = TlsStream<TcpStream>;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            match self.conns.next().await {
+                Some(Ok(conn)) => {
+                    let peer = conn.get_ref().0.peer_addr().unwrap_or(self.local);
+                    return (conn, peer);
+                }
+                // The accept loop logs and retries its own errors.
+                Some(Err(_)) => continue,
+                // The loop ends only on shutdown, which ends `serve` too.
+                None => std::future::pending::<()>().await,
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        Ok(self.local)
+    }
 }

@@ -12,7 +12,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::server::TcpIncoming;
 
-use super::TlsState;
+use super::{Port, TlsState};
 
 /// Longest a client may take to finish its handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -20,9 +20,20 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// does not spin.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
-/// Established TLS connections, for `serve_with_incoming_shutdown`. Stops
-/// accepting when `stop` is cancelled or the server drops the stream.
+/// Established TLS connections on the gRPC port, for
+/// `serve_with_incoming_shutdown`. Stops accepting when `stop` is cancelled
+/// or the server drops the stream.
 pub fn incoming(
+    tcp: TcpIncoming,
+    tls: Arc<TlsState>,
+    stop: CancellationToken,
+) -> ReceiverStream<Result<TlsStream<TcpStream>, std::io::Error>> {
+    incoming_for(Port::Grpc, tcp, tls, stop)
+}
+
+/// [`incoming`] for either port: the handshakes use `port`'s ALPN.
+pub fn incoming_for(
+    port: Port,
     mut tcp: TcpIncoming,
     tls: Arc<TlsState>,
     stop: CancellationToken,
@@ -44,7 +55,7 @@ pub fn incoming(
                     continue;
                 }
             };
-            let acceptor = tls.acceptor();
+            let acceptor = tls.acceptor_for(port);
             let tx = tx.clone();
             tokio::spawn(async move {
                 let peer = stream.peer_addr().ok();
@@ -54,8 +65,10 @@ pub fn incoming(
                     }
                     // A refused client (no certificate, plaintext, wrong CA)
                     // is the client's problem: debug, not an error.
-                    Ok(Err(err)) => tracing::debug!(?peer, error = %err, "tls handshake failed"),
-                    Err(_) => tracing::debug!(?peer, "tls handshake timed out"),
+                    Ok(Err(err)) => {
+                        tracing::debug!(?port, ?peer, error = %err, "tls handshake failed")
+                    }
+                    Err(_) => tracing::debug!(?port, ?peer, "tls handshake timed out"),
                 }
             });
         }

@@ -1,11 +1,13 @@
-//! TLS on the gRPC port with rustls, with a certificate that can be swapped
-//! while the server runs.
+//! TLS on the gRPC and HTTP ports with rustls, with a certificate that can be
+//! swapped while the server runs.
 //!
 //! tonic's own `ServerTlsConfig` fixes the certificate when the server is
 //! built, so the server does the handshakes itself ([`incoming`]): each new
 //! connection is accepted with the configuration in force at that moment,
 //! and [`TlsState::reload`] replaces it when the files change. Existing
-//! connections keep the certificate they were opened with.
+//! connections keep the certificate they were opened with. Both ports share
+//! one [`TlsState`]: same certificate, same client CA, same reload; they
+//! differ only in the ALPN protocol they offer ([`Port`]).
 
 pub mod incoming;
 
@@ -61,9 +63,46 @@ fn certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     Ok(certs)
 }
 
-/// Builds the rustls configuration the files describe: HTTP/2 by ALPN (gRPC
-/// needs it), TLS 1.2 and 1.3, and client certificates required when a
-/// client CA is given.
+/// Which port a connection is accepted for: decides the ALPN protocol.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Port {
+    /// The gRPC port: HTTP/2 (gRPC needs it).
+    Grpc,
+    /// The HTTP port (`/metrics`): HTTP/1.1, all it serves.
+    Http,
+}
+
+impl Port {
+    fn alpn(self) -> Vec<Vec<u8>> {
+        match self {
+            Port::Grpc => vec![b"h2".to_vec()],
+            Port::Http => vec![b"http/1.1".to_vec()],
+        }
+    }
+}
+
+/// The configurations of both ports, built from the same files.
+#[derive(Debug)]
+struct Configs {
+    grpc: Arc<ServerConfig>,
+    http: Arc<ServerConfig>,
+}
+
+impl Configs {
+    fn build(files: &TlsFiles) -> Result<Configs, TlsError> {
+        let base = server_config(files)?;
+        let mut http = (*base).clone();
+        http.alpn_protocols = Port::Http.alpn();
+        Ok(Configs {
+            grpc: base,
+            http: Arc::new(http),
+        })
+    }
+}
+
+/// Builds the rustls configuration the files describe for the gRPC port:
+/// HTTP/2 by ALPN (gRPC needs it), TLS 1.2 and 1.3, and client certificates
+/// required when a client CA is given.
 pub fn server_config(files: &TlsFiles) -> Result<Arc<ServerConfig>, TlsError> {
     let certs = certificates(&files.cert)?;
     let key_pem = read(&files.key)?;
@@ -86,7 +125,7 @@ pub fn server_config(files: &TlsFiles) -> Result<Arc<ServerConfig>, TlsError> {
         None => builder.with_no_client_auth(),
     };
     let mut config = builder.with_single_cert(certs, key)?;
-    config.alpn_protocols = vec![b"h2".to_vec()];
+    config.alpn_protocols = Port::Grpc.alpn();
     Ok(Arc::new(config))
 }
 
@@ -94,16 +133,16 @@ pub fn server_config(files: &TlsFiles) -> Result<Arc<ServerConfig>, TlsError> {
 #[derive(Debug)]
 pub struct TlsState {
     files: TlsFiles,
-    config: RwLock<Arc<ServerConfig>>,
+    configs: RwLock<Configs>,
 }
 
 impl TlsState {
     /// Loads the files, which must be valid now.
     pub fn load(files: TlsFiles) -> Result<TlsState, TlsError> {
-        let config = server_config(&files)?;
+        let configs = Configs::build(&files)?;
         Ok(TlsState {
             files,
-            config: RwLock::new(config),
+            configs: RwLock::new(configs),
         })
     }
 
@@ -112,18 +151,27 @@ impl TlsState {
         &self.files
     }
 
-    /// An acceptor with the configuration in force.
+    /// An acceptor for the gRPC port with the configuration in force.
     pub fn acceptor(&self) -> TlsAcceptor {
-        let config = self.config.read().unwrap_or_else(|e| e.into_inner());
-        TlsAcceptor::from(Arc::clone(&config))
+        self.acceptor_for(Port::Grpc)
+    }
+
+    /// An acceptor for `port` with the configuration in force.
+    pub fn acceptor_for(&self, port: Port) -> TlsAcceptor {
+        let configs = self.configs.read().unwrap_or_else(|e| e.into_inner());
+        let config = match port {
+            Port::Grpc => &configs.grpc,
+            Port::Http => &configs.http,
+        };
+        TlsAcceptor::from(Arc::clone(config))
     }
 
     /// Re-reads the files; on failure the old configuration stays (a
     /// half-written certificate during a rotation must not take the port
     /// down).
     pub fn reload(&self) -> Result<(), TlsError> {
-        let config = server_config(&self.files)?;
-        *self.config.write().unwrap_or_else(|e| e.into_inner()) = config;
+        let configs = Configs::build(&self.files)?;
+        *self.configs.write().unwrap_or_else(|e| e.into_inner()) = configs;
         Ok(())
     }
 
