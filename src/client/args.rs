@@ -12,7 +12,9 @@ use crate::pb::JobState;
 ///
 /// Every flag is `global`, so it may be written before or after the
 /// subcommand (`intray --json get ID` and `intray get ID --json`).
-#[derive(Args, Clone, Debug)]
+///
+/// `Debug` leaves the token out, so the options can be logged.
+#[derive(Args, Clone)]
 // As for ClientCommand: keep this doc comment out of the parent's help.
 #[command(about = None, long_about = None)]
 pub struct ClientOpts {
@@ -39,6 +41,53 @@ pub struct ClientOpts {
     )]
     pub tenant: Option<String>,
 
+    /// Bearer token sent as `authorization: Bearer TOKEN` with every call (prefer the environment variable: a flag shows in `ps`).
+    #[arg(
+        long = "token",
+        id = "client_token",
+        env = "INTRAY_TOKEN",
+        hide_env_values = true,
+        value_name = "TOKEN",
+        global = true,
+        help_heading = "Client options"
+    )]
+    pub token: Option<String>,
+
+    /// PEM CA certificate the server's certificate must chain to, for an `https://` address.
+    #[arg(
+        long = "tls-ca",
+        id = "client_tls_ca",
+        env = "INTRAY_TLS_CA",
+        value_name = "PATH",
+        global = true,
+        help_heading = "Client options"
+    )]
+    pub tls_ca: Option<PathBuf>,
+
+    /// PEM client certificate for a server that requires one (mTLS); with `--client-key`.
+    #[arg(
+        long = "client-cert",
+        id = "client_cert",
+        env = "INTRAY_CLIENT_CERT",
+        value_name = "PATH",
+        requires = "client_key",
+        global = true,
+        help_heading = "Client options"
+    )]
+    pub client_cert: Option<PathBuf>,
+
+    /// PEM key of `--client-cert`.
+    #[arg(
+        long = "client-key",
+        id = "client_key",
+        env = "INTRAY_CLIENT_KEY",
+        value_name = "PATH",
+        requires = "client_cert",
+        global = true,
+        help_heading = "Client options"
+    )]
+    pub client_key: Option<PathBuf>,
+
     /// Print the proto3 JSON mapping of the response instead of readable text.
     #[arg(
         long = "json",
@@ -47,6 +96,20 @@ pub struct ClientOpts {
         help_heading = "Client options"
     )]
     pub json: bool,
+}
+
+impl std::fmt::Debug for ClientOpts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientOpts")
+            .field("addr", &self.addr)
+            .field("tenant", &self.tenant)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("tls_ca", &self.tls_ca)
+            .field("client_cert", &self.client_cert)
+            .field("client_key", &self.client_key)
+            .field("json", &self.json)
+            .finish()
+    }
 }
 
 /// The client commands: talk to a running intray server over gRPC.

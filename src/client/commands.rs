@@ -10,7 +10,7 @@ use serde::Serialize;
 use tokio::io::AsyncReadExt;
 use tonic::Code;
 use tonic::metadata::AsciiMetadataValue;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
 use super::args::{
     CancelArgs, ClientCommand, ClientOpts, GetArgs, ListArgs, RetryArgs, StatsArgs, SubmitArgs,
@@ -141,10 +141,11 @@ async fn execute(opts: ClientOpts, cmd: ClientCommand) -> Result<(), ClientError
     }
 }
 
-/// A connected client and the tenant every request is sent as.
+/// A connected client, and the tenant and token every request is sent with.
 struct Session {
     client: JobServiceClient<Channel>,
     tenant: Option<AsciiMetadataValue>,
+    authorization: Option<AsciiMetadataValue>,
 }
 
 impl Session {
@@ -152,17 +153,20 @@ impl Session {
         opts: &ClientOpts,
         tenant: Option<AsciiMetadataValue>,
     ) -> Result<Self, ClientError> {
-        let addr = normalize_addr(&opts.addr);
-        let endpoint = Endpoint::from_shared(addr.clone())
-            .map_err(|e| ClientError::BadArgument(format!("invalid --addr {addr:?}: {e}")))?
-            .tcp_nodelay(true)
-            .connect_timeout(CONNECT_TIMEOUT);
+        let authorization = authorization(opts.token.as_deref())?;
+        let (addr, endpoint) = endpoint(opts)?;
         let channel = endpoint
+            .tcp_nodelay(true)
+            .connect_timeout(CONNECT_TIMEOUT)
             .connect()
             .await
             .map_err(|source| ClientError::Connect { addr, source })?;
         let client = JobServiceClient::new(channel).max_decoding_message_size(MAX_RESPONSE_BYTES);
-        Ok(Session { client, tenant })
+        Ok(Session {
+            client,
+            tenant,
+            authorization,
+        })
     }
 
     fn request<T>(&self, message: T) -> tonic::Request<T> {
@@ -172,8 +176,71 @@ impl Session {
                 .metadata_mut()
                 .insert(TENANT_METADATA, tenant.clone());
         }
+        if let Some(authorization) = &self.authorization {
+            request
+                .metadata_mut()
+                .insert("authorization", authorization.clone());
+        }
         request
     }
+}
+
+/// The server's endpoint from `--addr`, with TLS for an `https://` address
+/// (trusting `--tls-ca`, presenting `--client-cert` when given); the
+/// address as typed, for error messages.
+pub(super) fn endpoint(opts: &ClientOpts) -> Result<(String, Endpoint), ClientError> {
+    let addr = normalize_addr(&opts.addr);
+    let endpoint = Endpoint::from_shared(addr.clone())
+        .map_err(|e| ClientError::BadArgument(format!("invalid --addr {addr:?}: {e}")))?;
+    let https = addr.to_ascii_lowercase().starts_with("https://");
+    let tls_flags = opts.tls_ca.is_some() || opts.client_cert.is_some();
+    if !https {
+        if tls_flags {
+            return Err(ClientError::BadArgument(format!(
+                "--tls-ca and --client-cert need an https:// address, not {addr:?}"
+            )));
+        }
+        return Ok((addr, endpoint));
+    }
+    let mut tls = ClientTlsConfig::new().with_enabled_roots();
+    if let Some(ca) = &opts.tls_ca {
+        tls = tls.ca_certificate(Certificate::from_pem(read_pem(ca, "--tls-ca")?));
+    }
+    if let (Some(cert), Some(key)) = (&opts.client_cert, &opts.client_key) {
+        tls = tls.identity(Identity::from_pem(
+            read_pem(cert, "--client-cert")?,
+            read_pem(key, "--client-key")?,
+        ));
+    }
+    let endpoint = endpoint
+        .tls_config(tls)
+        .map_err(|e| ClientError::BadArgument(format!("tls for {addr:?}: {e}")))?;
+    Ok((addr, endpoint))
+}
+
+fn read_pem(path: &Path, flag: &str) -> Result<Vec<u8>, ClientError> {
+    std::fs::read(path)
+        .map_err(|e| ClientError::BadArgument(format!("{flag} {}: {e}", path.display())))
+}
+
+/// `authorization: Bearer TOKEN`, marked sensitive; none for no token or an
+/// empty one (an `INTRAY_TOKEN=` left in the environment). The token itself
+/// never appears in an error.
+fn authorization(token: Option<&str>) -> Result<Option<AsciiMetadataValue>, ClientError> {
+    let Some(token) = token.map(str::trim).filter(|t| !t.is_empty()) else {
+        return Ok(None);
+    };
+    if !token.chars().all(|c| c.is_ascii_graphic()) {
+        return Err(ClientError::BadArgument(
+            "--token / INTRAY_TOKEN cannot be sent as gRPC metadata: use visible ASCII characters"
+                .into(),
+        ));
+    }
+    let mut value = AsciiMetadataValue::try_from(format!("Bearer {token}")).map_err(|_| {
+        ClientError::BadArgument("--token / INTRAY_TOKEN is not valid metadata".into())
+    })?;
+    value.set_sensitive(true);
+    Ok(Some(value))
 }
 
 /// `host:port` is what people type; tonic needs a URI with a scheme.

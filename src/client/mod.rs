@@ -39,10 +39,14 @@
 //! }
 //! ```
 //!
-//! Because they are global, `--addr`, `--tenant` and `--json` are also
-//! accepted (and ignored) by `serve` and `migrate`, and those commands must
-//! not define flags of the same long names or the ids `client_addr`,
-//! `client_tenant`, `client_json` (clap panics on duplicates in debug builds).
+//! Because they are global, `--addr`, `--tenant`, `--token`, `--tls-ca`,
+//! `--client-cert`, `--client-key` and `--json` are also accepted (and
+//! ignored) by `serve` and `migrate`, and those commands must not define
+//! flags of the same long names or the ids `client_addr`, `client_tenant`,
+//! `client_token`, `client_tls_ca`, `client_cert`, `client_key`,
+//! `client_json` (clap panics on duplicates in debug builds). That is why
+//! the client's certificate flags are not `--tls-cert`/`--tls-key`: those
+//! are `serve`'s.
 
 mod args;
 mod commands;

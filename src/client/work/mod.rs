@@ -49,15 +49,6 @@ pub struct WorkArgs {
     #[arg(long, value_name = "BYTES", default_value_t = 1024 * 1024)]
     pub max_result_bytes: usize,
 
-    /// Bearer token sent as `authorization` metadata.
-    #[arg(
-        long,
-        value_name = "TOKEN",
-        env = "INTRAY_TOKEN",
-        hide_env_values = true
-    )]
-    pub token: Option<String>,
-
     /// The command to run for each job, after `--`: the payload JSON is on
     /// its stdin; INTRAY_JOB_ID, INTRAY_ATTEMPT, INTRAY_KIND, INTRAY_QUEUE,
     /// INTRAY_MAX_ATTEMPTS and TRACEPARENT (when the job has one) in its
@@ -81,7 +72,10 @@ pub async fn run(opts: &ClientOpts, args: WorkArgs) -> Result<(), ClientError> {
         kill_after: args.kill_after,
         max_result_bytes: args.max_result_bytes,
     });
+    // The shared client options: address, TLS, tenant and token.
+    let (_, endpoint) = super::commands::endpoint(opts)?;
     let mut builder = Worker::builder(&opts.addr)
+        .endpoint(endpoint)
         .kinds(args.kinds)
         .concurrency(args.concurrency)
         .lease_duration(args.lease_duration)
@@ -98,7 +92,12 @@ pub async fn run(opts: &ClientOpts, args: WorkArgs) -> Result<(), ClientError> {
     if let Some(tenant) = &opts.tenant {
         builder = builder.tenant(tenant);
     }
-    if let Some(token) = args.token {
+    if let Some(token) = opts
+        .token
+        .as_deref()
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+    {
         builder = builder.auth_token(token);
     }
     if let Some(id) = args.worker_id {
