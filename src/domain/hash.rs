@@ -125,6 +125,20 @@ mod tests {
         assert_ne!(base, hash_of(json!([1]), 0, &[("team", "x")]));
     }
 
+    /// Found by the fuzzer (fuzz/): without exact float parsing, a large
+    /// integer read from JSON text and written back read as another double.
+    #[test]
+    fn json_text_round_trips_to_the_same_hash() {
+        for text in [
+            "27777777777555555554",
+            "[1e300, 0.1, 123456789012345678901]",
+        ] {
+            let first: Value = serde_json::from_str(text).expect("json");
+            let again: Value = serde_json::from_str(&first.to_string()).expect("json");
+            assert_eq!(hash_of(first, 0, &[]), hash_of(again, 0, &[]), "{text}");
+        }
+    }
+
     #[test]
     fn canonical_form_is_sorted_json() {
         let labels = BTreeMap::new();
