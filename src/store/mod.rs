@@ -15,9 +15,10 @@ use async_trait::async_trait;
 use uuid::Uuid;
 
 use crate::config::Settings;
+use crate::domain::breaker::Breaker;
 use crate::domain::{
-    CompleteSpec, HeartbeatAck, HeartbeatSpec, Job, JobEvent, LeaseSpec, ListFilter, NewJob,
-    QueueStats, RetryFilter, RunningAttempt, WorkerSeen,
+    CompleteSpec, HeartbeatAck, HeartbeatSpec, Job, JobEvent, JobState, LeaseSpec, ListFilter,
+    NewJob, QueueStats, RetryFilter, RunningAttempt, WorkerSeen,
 };
 use crate::engine::notifier::Notifier;
 
@@ -95,6 +96,42 @@ impl Ended {
             job,
             event,
         })
+    }
+}
+
+/// Gathers the per-queue figures that `stats` reads in several queries.
+#[derive(Default)]
+struct QueueStatsBuilder(std::collections::BTreeMap<String, QueueStats>);
+
+impl QueueStatsBuilder {
+    fn entry(&mut self, queue: String) -> &mut QueueStats {
+        self.0.entry(queue.clone()).or_insert_with(|| QueueStats {
+            queue,
+            ..Default::default()
+        })
+    }
+
+    fn count(&mut self, queue: String, state: JobState, n: u64) {
+        self.entry(queue).counts.insert(state.as_str(), n);
+    }
+
+    /// Only for queues that have counts: the age comes from queued jobs.
+    fn oldest(&mut self, queue: &str, age: Duration) {
+        if let Some(q) = self.0.get_mut(queue) {
+            q.oldest_runnable_age = Some(age);
+        }
+    }
+
+    fn paused(&mut self, queue: String) {
+        self.entry(queue).paused = true;
+    }
+
+    fn breaker(&mut self, queue: String, kind: String, breaker: Breaker) {
+        self.entry(queue).breakers.push((kind, breaker));
+    }
+
+    fn finish(self) -> Vec<QueueStats> {
+        self.0.into_values().collect()
     }
 }
 

@@ -19,15 +19,15 @@ use uuid::Uuid;
 
 use super::changes::{CHANNEL, Changes, wake_from_payload};
 use super::{
-    Ended, QueueDepth, Reaped, Retried, RunningCaps, Stats, Store, StoreError, StoreResult,
-    Submitted,
+    Ended, QueueDepth, QueueStatsBuilder, Reaped, Retried, RunningCaps, Stats, Store, StoreError,
+    StoreResult, Submitted,
 };
 use crate::config::Settings;
 use crate::domain::breaker::{self, Breaker, BreakerChange, BreakerPolicy};
 use crate::domain::transition::{self, TransitionError};
 use crate::domain::{
     Backoff, CompleteSpec, EventType, HeartbeatAck, HeartbeatSpec, Job, JobError, JobEvent,
-    JobState, LeaseSpec, ListFilter, NewJob, QueueStats, RetryFilter, WorkerSeen,
+    JobState, LeaseSpec, ListFilter, NewJob, RetryFilter, WorkerSeen,
 };
 use crate::engine::notifier::Notifier;
 
@@ -654,34 +654,26 @@ impl Store for PgStore {
         .fetch_all(&self.pool)
         .await?;
 
-        let mut by_queue: BTreeMap<String, QueueStats> = BTreeMap::new();
+        let mut by_queue = QueueStatsBuilder::default();
         for row in &counts {
-            let queue: String = row.try_get("queue")?;
             let state: String = row.try_get("state")?;
             let state = JobState::parse(&state).ok_or_else(|| corrupt("state"))?;
-            let n = to_u64(row.try_get("n")?, "count")?;
-            let entry = by_queue.entry(queue.clone()).or_insert_with(|| QueueStats {
-                queue,
-                ..Default::default()
-            });
-            entry.counts.insert(state.as_str(), n);
+            by_queue.count(
+                row.try_get("queue")?,
+                state,
+                to_u64(row.try_get("n")?, "count")?,
+            );
         }
         for row in &oldest {
             let queue: String = row.try_get("queue")?;
             let age: i64 = row.try_get("age_ms")?;
-            if let Some(entry) = by_queue.get_mut(&queue) {
-                entry.oldest_runnable_age =
-                    Some(Duration::from_millis(u64::try_from(age).unwrap_or(0)));
-            }
+            by_queue.oldest(
+                &queue,
+                Duration::from_millis(u64::try_from(age).unwrap_or(0)),
+            );
         }
         for queue in paused {
-            by_queue
-                .entry(queue.clone())
-                .or_insert_with(|| QueueStats {
-                    queue,
-                    ..Default::default()
-                })
-                .paused = true;
+            by_queue.paused(queue);
         }
         let breakers = sqlx::query(
             "SELECT queue, kind, failures, max_retry_after_ms, open_until, probe_job FROM breakers
@@ -702,14 +694,7 @@ impl Store for PgStore {
                 open_until: row.try_get("open_until")?,
                 probe_job: row.try_get("probe_job")?,
             };
-            by_queue
-                .entry(queue.clone())
-                .or_insert_with(|| QueueStats {
-                    queue,
-                    ..Default::default()
-                })
-                .breakers
-                .push((row.try_get("kind")?, breaker));
+            by_queue.breaker(queue, row.try_get("kind")?, breaker);
         }
         let workers = workers
             .iter()
@@ -727,7 +712,7 @@ impl Store for PgStore {
             })
             .collect::<StoreResult<Vec<_>>>()?;
         Ok(Stats {
-            queues: by_queue.into_values().collect(),
+            queues: by_queue.finish(),
             workers,
         })
     }

@@ -23,15 +23,15 @@ use uuid::Uuid;
 
 use super::changes::Changes;
 use super::{
-    Ended, QueueDepth, Reaped, Retried, RunningCaps, Stats, Store, StoreError, StoreResult,
-    Submitted,
+    Ended, QueueDepth, QueueStatsBuilder, Reaped, Retried, RunningCaps, Stats, Store, StoreError,
+    StoreResult, Submitted,
 };
 use crate::config::Settings;
 use crate::domain::breaker::{self, Breaker, BreakerChange, BreakerPolicy};
 use crate::domain::transition::{self, TransitionError};
 use crate::domain::{
     Backoff, CompleteSpec, EventType, HeartbeatAck, HeartbeatSpec, Job, JobError, JobEvent,
-    JobState, LeaseSpec, ListFilter, NewJob, QueueStats, RetryFilter, WorkerSeen,
+    JobState, LeaseSpec, ListFilter, NewJob, RetryFilter, WorkerSeen,
 };
 use crate::engine::notifier::Notifier;
 
@@ -687,34 +687,26 @@ impl Store for SqliteStore {
         .fetch_all(&self.reader)
         .await?;
 
-        let mut by_queue: BTreeMap<String, QueueStats> = BTreeMap::new();
+        let mut by_queue = QueueStatsBuilder::default();
         for row in &counts {
-            let queue: String = row.try_get("queue")?;
             let state: String = row.try_get("state")?;
             let state = JobState::parse(&state).ok_or_else(|| corrupt("state"))?;
-            let n = to_u64(row.try_get("n")?, "count")?;
-            let entry = by_queue.entry(queue.clone()).or_insert_with(|| QueueStats {
-                queue,
-                ..Default::default()
-            });
-            entry.counts.insert(state.as_str(), n);
+            by_queue.count(
+                row.try_get("queue")?,
+                state,
+                to_u64(row.try_get("n")?, "count")?,
+            );
         }
         for row in &oldest {
             let queue: String = row.try_get("queue")?;
             let age: i64 = row.try_get("age_ms")?;
-            if let Some(entry) = by_queue.get_mut(&queue) {
-                entry.oldest_runnable_age =
-                    Some(Duration::from_millis(u64::try_from(age).unwrap_or(0)));
-            }
+            by_queue.oldest(
+                &queue,
+                Duration::from_millis(u64::try_from(age).unwrap_or(0)),
+            );
         }
         for queue in paused {
-            by_queue
-                .entry(queue.clone())
-                .or_insert_with(|| QueueStats {
-                    queue,
-                    ..Default::default()
-                })
-                .paused = true;
+            by_queue.paused(queue);
         }
         let breakers = sqlx::query(
             "SELECT * FROM breakers WHERE tenant = ?1 AND (?2 IS NULL OR queue = ?2) ORDER BY queue, kind",
@@ -726,14 +718,7 @@ impl Store for SqliteStore {
         for row in &breakers {
             let queue: String = row.try_get("queue")?;
             let breaker = breaker_from_row(row)?;
-            by_queue
-                .entry(queue.clone())
-                .or_insert_with(|| QueueStats {
-                    queue,
-                    ..Default::default()
-                })
-                .breakers
-                .push((row.try_get("kind")?, breaker));
+            by_queue.breaker(queue, row.try_get("kind")?, breaker);
         }
         let workers = workers
             .iter()
@@ -751,7 +736,7 @@ impl Store for SqliteStore {
             })
             .collect::<StoreResult<Vec<_>>>()?;
         Ok(Stats {
-            queues: by_queue.into_values().collect(),
+            queues: by_queue.finish(),
             workers,
         })
     }
