@@ -60,6 +60,14 @@ pub struct ServeArgs {
     #[arg(long, env = "INTRAY_MAX_CONNECTIONS", default_value_t = 16)]
     pub max_connections: u32,
 
+    /// Shared transactions that each of the Submit, Lease and Complete
+    /// coalescers may run at once. Concurrent unary calls queue up behind
+    /// them and go into the next shared transaction; 1 gives the largest
+    /// batches, more overlaps commits. Each takes a pool connection.
+    #[arg(long, env = "INTRAY_COALESCE_IN_FLIGHT", default_value_t = 2,
+          value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub coalesce_in_flight: u16,
+
     /// How often the reaper reclaims expired leases and expires jobs past their deadline.
     #[arg(long, env = "INTRAY_REAPER_INTERVAL", default_value = "5s", value_parser = duration)]
     pub reaper_interval: Duration,
@@ -242,6 +250,7 @@ impl ServeArgs {
         }
         let mut s = Settings::new(self.database.url());
         s.max_connections = self.max_connections;
+        s.coalesce_in_flight = usize::from(self.coalesce_in_flight);
         s.reaper_interval = self.reaper_interval;
         s.default_lease = self.lease_duration;
         s.max_lease = self.max_lease_duration;

@@ -13,6 +13,9 @@ pub struct Settings {
     pub database_url: String,
     /// Connections in the PostgreSQL pool.
     pub max_connections: u32,
+    /// Shared transactions each coalescer (submit, lease, complete) may
+    /// run at once.
+    pub coalesce_in_flight: usize,
     /// How often the reaper looks for expired leases, cancel grace and deadlines.
     pub reaper_interval: Duration,
     /// Lease length when a worker does not ask for one.
@@ -99,6 +102,7 @@ impl Settings {
         Settings {
             database_url: database_url.into(),
             max_connections: 16,
+            coalesce_in_flight: 2,
             reaper_interval: Duration::from_secs(5),
             default_lease: Duration::from_secs(60),
             max_lease: Duration::from_secs(3600),

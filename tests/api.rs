@@ -43,6 +43,7 @@ common::backend_tests!(
     deadline_between_attempts,
     retry_beyond_deadline_expires,
     lease_order_and_kind_filter,
+    coalesced_neighbours_are_independent,
 );
 
 const LONG: Duration = Duration::from_secs(10);
@@ -2249,5 +2250,120 @@ async fn lease_order_and_kind_filter(backend: Backend) {
         vec![other],
         "without a kind filter the other kind is leased"
     );
+    server.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// Coalescing (issue 6): concurrent unary calls share transactions, and an
+// item refused inside a shared transaction leaves its neighbours committed.
+// ---------------------------------------------------------------------------
+
+async fn coalesced_neighbours_are_independent(backend: Backend) {
+    // One shared transaction at a time: concurrent calls queue up behind it
+    // and go into the next one together.
+    let server = TestServer::start_with(backend, |s| s.coalesce_in_flight = 1).await;
+    let mut jobs = server.jobs_client("t");
+    let mut keyed = submit_req("co", "k", json!({"v": "original"}));
+    keyed.idempotency_key = "shared-key".into();
+    let original = submit_with(&mut jobs, keyed.clone()).await;
+
+    // 64 concurrent Submits: every fourth reuses the key with other input
+    // (refused), every fourth-plus-one with the same input (the original).
+    let submits = (0..64).map(|i| {
+        let mut jobs = server.jobs_client("t");
+        let mut r = match i % 4 {
+            0 => {
+                let mut r = keyed.clone();
+                r.payload = Some(json_to_value(json!({"v": i})));
+                r
+            }
+            1 => keyed.clone(),
+            _ => submit_req("co", "k", json!({"i": i})),
+        };
+        if i % 4 > 1 {
+            r.idempotency_key = format!("own-{i}");
+        }
+        tokio::spawn(async move { (i, jobs.submit(r).await) })
+    });
+    let mut fresh = HashSet::new();
+    for joined in futures::future::join_all(submits).await {
+        let (i, answer) = joined.expect("joined");
+        match i % 4 {
+            0 => assert_eq!(answer.expect_err("conflict").code(), Code::AlreadyExists),
+            1 => {
+                let r = answer.expect("same input").into_inner();
+                assert!(!r.created);
+                assert_eq!(r.job.expect("job").id, original.id);
+            }
+            _ => {
+                let r = answer.expect("new job").into_inner();
+                assert!(r.created);
+                fresh.insert(r.job.expect("job").id);
+            }
+        }
+    }
+    assert_eq!(fresh.len(), 32);
+    let mut stored = ids(&list_all(&mut jobs, list_req()).await);
+    assert!(stored.remove(&original.id));
+    assert_eq!(
+        stored, fresh,
+        "every accepted neighbour of a refused item was stored"
+    );
+
+    // 40 concurrent Leases of one job each for 33 jobs: no job twice.
+    let leases = (0..40).map(|i| {
+        let mut workers = server.workers_client("t");
+        tokio::spawn(async move {
+            workers
+                .lease(lease_req(&format!("w{i}"), "co", 1, Duration::ZERO))
+                .await
+                .expect("Lease")
+                .into_inner()
+                .jobs
+        })
+    });
+    let mut leased = Vec::new();
+    for joined in futures::future::join_all(leases).await {
+        let got = joined.expect("joined");
+        assert!(got.len() <= 1, "max_jobs 1 got {}", got.len());
+        leased.extend(got);
+    }
+    let distinct: HashSet<&str> = leased.iter().map(|l| l.job_id.as_str()).collect();
+    assert_eq!(leased.len(), 33, "all 33 queued jobs leased");
+    assert_eq!(distinct.len(), 33, "no job leased twice");
+
+    // Concurrent Completes, every third with a forged token: those are
+    // ABORTED and write nothing; their neighbours succeed.
+    let completes = leased.iter().enumerate().map(|(i, l)| {
+        let mut workers = server.workers_client("t");
+        let mut l = l.clone();
+        if i % 3 == 0 {
+            l.lease_token = uuid::Uuid::new_v4().to_string();
+        }
+        tokio::spawn(async move {
+            (
+                i,
+                l.job_id.clone(),
+                workers
+                    .complete(success_req(&l, json!(format!("r{i}"))))
+                    .await,
+            )
+        })
+    });
+    for joined in futures::future::join_all(completes).await {
+        let (i, id, answer) = joined.expect("joined");
+        let job = get(&mut jobs, &id).await;
+        if i % 3 == 0 {
+            assert_eq!(answer.expect_err("forged").code(), Code::Aborted);
+            assert_eq!(state(&job), St::Running, "a refused complete wrote nothing");
+        } else {
+            answer.expect("complete");
+            assert_eq!(state(&job), St::Succeeded);
+            assert_eq!(
+                job.result.as_ref().map(value_to_json),
+                Some(json!(format!("r{i}")))
+            );
+        }
+    }
     server.stop().await;
 }

@@ -83,10 +83,7 @@ impl JobService for JobsApi {
         self.depths
             .admit(&*self.ctx.store, &tenant, &new.queue)
             .await?;
-        let mut results = self.ctx.store.submit(&tenant, vec![new]).await?;
-        let submitted = results
-            .pop()
-            .ok_or_else(|| Status::internal("internal error"))??;
+        let submitted = self.ctx.batchers.submit(&tenant, new).await??;
         if submitted.created {
             self.ctx.observer.submitted(&submitted.job);
         }

@@ -19,16 +19,19 @@ use tokio_util::sync::CancellationToken;
 use crate::config::Settings;
 use crate::domain::Backoff;
 use crate::domain::validate::Limits;
+use crate::engine::batchers::Batchers;
 use crate::engine::notifier::Notifier;
 use crate::engine::observer::Observer;
 use crate::store::Store;
 
-/// What every service needs: the store, the notifier, the observer
+/// What every service needs: the store and its coalescers, the notifier, the observer
 /// (logs, spans, metrics), the settings, and a token that ends long-polls
 /// and streams at shutdown.
 #[derive(Clone)]
 pub struct Context {
     pub store: Arc<dyn Store>,
+    /// Shared transactions for concurrent unary Submit, Lease and Complete.
+    pub batchers: Arc<Batchers>,
     pub notifier: Arc<Notifier>,
     pub observer: Arc<Observer>,
     pub settings: Arc<Settings>,
@@ -53,6 +56,10 @@ impl Context {
             max_lease: settings.max_lease,
         };
         Ok(Context {
+            batchers: Arc::new(Batchers::start(
+                Arc::clone(&store),
+                settings.coalesce_in_flight,
+            )),
             store,
             notifier,
             observer,

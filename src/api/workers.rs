@@ -86,7 +86,7 @@ impl WorkersApi {
         // the claim and the wait still wakes us.
         let mut wakeups = self.ctx.notifier.subscribe_queues();
         loop {
-            let jobs = self.ctx.store.lease(tenant, spec).await?;
+            let jobs = self.ctx.batchers.lease(tenant, spec).await?;
             let now = Instant::now();
             if !jobs.is_empty() || now >= give_up || self.ctx.shutdown.is_cancelled() {
                 return Ok(jobs);
@@ -174,10 +174,7 @@ impl WorkerService for WorkersApi {
     ) -> Result<Response<pb::CompleteResponse>, Status> {
         let tenant = tenant_of(&request)?;
         let spec = self.validate_complete(request.into_inner())?;
-        let mut results = self.ctx.store.complete(&tenant, vec![spec]).await?;
-        let ended = results
-            .pop()
-            .ok_or_else(|| Status::internal("internal error"))??;
+        let ended = self.ctx.batchers.complete(&tenant, spec).await??;
         self.ctx.observer.ended(&ended);
         Ok(Response::new(pb::CompleteResponse {
             job: Some(convert::job(&ended.job)),

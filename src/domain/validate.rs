@@ -134,8 +134,25 @@ fn json_depth(v: &Value) -> usize {
     }
 }
 
-/// A payload or result: bounded size and nesting.
+/// PostgreSQL's text and jsonb cannot hold U+0000, so a job that carries it
+/// would be accepted by one backend and refused by the other: it is refused
+/// by both, here.
+const NUL_REASON: &str = "must not contain the NUL character (U+0000)";
+
+fn json_has_nul(v: &Value) -> bool {
+    match v {
+        Value::String(s) => s.contains('\0'),
+        Value::Array(items) => items.iter().any(json_has_nul),
+        Value::Object(map) => map.iter().any(|(k, v)| k.contains('\0') || json_has_nul(v)),
+        _ => false,
+    }
+}
+
+/// A payload or result: bounded size and nesting, no NUL characters.
 pub fn json_value(field: &str, value: &Value, max_bytes: usize) -> Result<()> {
+    if json_has_nul(value) {
+        return Err(ValidationError::new(field, NUL_REASON));
+    }
     if json_depth(value) > MAX_JSON_DEPTH {
         return Err(ValidationError::new(
             field,
@@ -178,6 +195,9 @@ fn labels(field: &str, labels: &BTreeMap<String, String>) -> Result<()> {
                 format!("{field}[{key}]"),
                 "label values are at most 256 characters",
             ));
+        }
+        if value.contains('\0') {
+            return Err(ValidationError::new(format!("{field}[{key}]"), NUL_REASON));
         }
     }
     Ok(())
@@ -458,6 +478,9 @@ pub fn complete(
             retry_after,
         }) => {
             let class = name("failure.error_class", &error_class, &['/'])?;
+            if message.contains('\0') {
+                return Err(ValidationError::new("failure.message", NUL_REASON));
+            }
             if message.len() > 16 * 1024 {
                 return Err(ValidationError::new(
                     "failure.message",
@@ -701,6 +724,27 @@ mod tests {
             }),
             "callback_url"
         );
+    }
+
+    #[test]
+    fn nul_characters_are_refused_wherever_postgresql_would_refuse_them() {
+        assert_eq!(
+            field_of(SubmitInput {
+                payload: json!({"a": ["ok", "bad\u{0}"]}),
+                ..good()
+            }),
+            "payload"
+        );
+        assert_eq!(
+            field_of(SubmitInput {
+                payload: json!({"k\u{0}": 1}),
+                ..good()
+            }),
+            "payload"
+        );
+        let mut labels = BTreeMap::new();
+        labels.insert("team".to_string(), "a\u{0}".to_string());
+        assert_eq!(field_of(SubmitInput { labels, ..good() }), "labels[team]");
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! What a committed transaction changed, as wake-ups for waiting calls: the
-//! local notifier directly, other replicas through one `NOTIFY` per
-//! transaction (never one per job: NOTIFY serialises commits).
+//! local notifier directly, other replicas through a `NOTIFY` sent after the
+//! commit, coalesced over whatever committed meanwhile (never one per job,
+//! and never inside the job's transaction: NOTIFY serialises commits).
 
 use std::collections::BTreeSet;
 
@@ -14,6 +15,9 @@ pub const CHANNEL: &str = "intray";
 
 /// PostgreSQL refuses NOTIFY payloads of 8000 bytes or more.
 const MAX_PAYLOAD: usize = 7900;
+
+/// Beyond this many payloads one coalesced notification says `*` instead.
+const MAX_PAYLOADS: usize = 32;
 
 /// Jobs and queues touched by one transaction.
 #[derive(Debug, Default)]
@@ -36,6 +40,11 @@ impl Changes {
         self.queues.insert(queue_key(&job.tenant, &job.queue));
     }
 
+    /// Records a job whose watchers should look again (a progress event).
+    pub fn watched(&mut self, id: Uuid) {
+        self.jobs.push(id);
+    }
+
     /// Records a queue whose waiting workers may claim again (a resume).
     pub fn queue(&mut self, tenant: &str, queue: &str) {
         self.queues.insert(queue_key(tenant, queue));
@@ -56,22 +65,35 @@ impl Changes {
         }
     }
 
-    /// The NOTIFY payload: one `q:tenant/queue` or `j:id` per line, or `*`
-    /// (wake everything) when that would not fit.
-    pub fn payload(&self) -> String {
-        let mut out = String::new();
-        for key in &self.queues {
-            out.push_str("q:");
-            out.push_str(key);
-            out.push('\n');
-        }
-        for id in &self.jobs {
-            out.push_str("j:");
-            out.push_str(&id.to_string());
-            out.push('\n');
-        }
-        if out.len() > MAX_PAYLOAD {
-            return "*".into();
+    /// Adds what another transaction changed.
+    pub fn merge(&mut self, other: Changes) {
+        self.queues.extend(other.queues);
+        self.jobs.extend(other.jobs);
+    }
+
+    /// The NOTIFY payloads: lines of `q:tenant/queue` or `j:id`, each payload
+    /// under PostgreSQL's size limit, or the one payload `*` (wake
+    /// everything) when there would be too many.
+    pub fn payloads(&self) -> Vec<String> {
+        let lines = self
+            .queues
+            .iter()
+            .map(|key| format!("q:{key}\n"))
+            .chain(self.jobs.iter().map(|id| format!("j:{id}\n")));
+        let mut out: Vec<String> = Vec::new();
+        for line in lines {
+            let fits = out
+                .last()
+                .is_some_and(|last| last.len() + line.len() <= MAX_PAYLOAD);
+            if fits {
+                if let Some(last) = out.last_mut() {
+                    last.push_str(&line);
+                }
+            } else if out.len() == MAX_PAYLOADS {
+                return vec!["*".into()];
+            } else {
+                out.push(line);
+            }
         }
         out
     }
@@ -101,15 +123,30 @@ mod tests {
     use super::*;
 
     #[test]
-    fn payload_round_trips_and_overflows_to_a_wildcard() {
+    fn payloads_split_under_the_limit_and_overflow_to_a_wildcard() {
         let mut changes = Changes::default();
         let id = Uuid::now_v7();
         changes.jobs.push(id);
         changes.queues.insert("t/q".into());
-        assert_eq!(changes.payload(), format!("q:t/q\nj:{id}\n"));
-        for _ in 0..300 {
-            changes.jobs.push(Uuid::now_v7());
+        assert_eq!(changes.payloads(), vec![format!("q:t/q\nj:{id}\n")]);
+        let mut more = Changes::default();
+        for _ in 0..1000 {
+            more.jobs.push(Uuid::now_v7());
         }
-        assert_eq!(changes.payload(), "*");
+        changes.merge(more);
+        let payloads = changes.payloads();
+        assert!(payloads.len() > 1);
+        assert!(payloads.iter().all(|p| p.len() <= MAX_PAYLOAD));
+        let notifier = Notifier::new();
+        let mut rx = notifier.subscribe_queues();
+        for p in &payloads {
+            wake_from_payload(p, &notifier);
+        }
+        assert_eq!(&*rx.try_recv().expect("queue woken"), "t/q");
+        let mut all = Changes::default();
+        for _ in 0..(MAX_PAYLOADS * 250) {
+            all.jobs.push(Uuid::now_v7());
+        }
+        assert_eq!(all.payloads(), vec!["*".to_string()]);
     }
 }

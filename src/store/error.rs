@@ -1,10 +1,12 @@
 //! Store errors, and the one place where database errors are classified.
 
+use std::sync::Arc;
+
 use crate::domain::transition::TransitionError;
 
 /// Why a store call failed. Messages never carry SQL or row data of other
 /// tenants; the database's own text stays in the logs.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum StoreError {
     /// No such job for this tenant.
     #[error("job not found")]
@@ -20,7 +22,7 @@ pub enum StoreError {
     IllegalTransition(String),
     /// The database cannot be reached (or the pool is exhausted); retry later.
     #[error("database unavailable")]
-    Unavailable(#[source] sqlx::Error),
+    Unavailable(#[source] Arc<sqlx::Error>),
     /// A bad database URL or similar.
     #[error("{0}")]
     Config(String),
@@ -37,7 +39,7 @@ impl From<sqlx::Error> for StoreError {
             | sqlx::Error::PoolTimedOut
             | sqlx::Error::PoolClosed
             | sqlx::Error::WorkerCrashed
-            | sqlx::Error::Protocol(_) => StoreError::Unavailable(err),
+            | sqlx::Error::Protocol(_) => StoreError::Unavailable(Arc::new(err)),
             sqlx::Error::Database(db) => match db.code().as_deref() {
                 // Worth retrying: serialization failure, deadlock, connection
                 // exceptions (class 08), admin/crash shutdown, cannot connect
@@ -46,7 +48,7 @@ impl From<sqlx::Error> for StoreError {
                 Some(
                     "40001" | "40P01" | "08000" | "08001" | "08003" | "08004" | "08006" | "57P01"
                     | "57P02" | "57P03" | "55000" | "53300" | "5" | "6" | "261" | "517",
-                ) => StoreError::Unavailable(err),
+                ) => StoreError::Unavailable(Arc::new(err)),
                 _ => StoreError::Internal(err.to_string()),
             },
             sqlx::Error::Configuration(e) => StoreError::Config(e.to_string()),

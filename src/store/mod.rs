@@ -219,12 +219,15 @@ pub trait Store: Send + Sync + 'static {
         workers_since: Duration,
     ) -> StoreResult<Stats>;
 
-    /// One claim: up to `spec.max_jobs` runnable jobs, now `Running` under a
-    /// fresh lease token. Empty when nothing is runnable (no waiting here).
-    /// With `spec.all_tenants` it claims from every tenant (ignoring
-    /// `tenant`), the tenant with the fewest running jobs first; either way
-    /// no tenant exceeds its running cap in a queue.
-    async fn lease(&self, tenant: &str, spec: &LeaseSpec) -> StoreResult<Vec<Job>>;
+    /// Claims for several callers in one statement: for each spec up to
+    /// `spec.max_jobs` runnable jobs, now `Running` under a fresh lease token
+    /// held by its worker, the first specs served first. Every spec shares
+    /// the queues, kinds and `all_tenants` of the first. Empty lists when
+    /// nothing is runnable (no waiting here). With `all_tenants` it claims
+    /// from every tenant (ignoring `tenant`), the tenant with the fewest
+    /// running jobs first; either way no tenant exceeds its running cap in a
+    /// queue.
+    async fn lease(&self, tenant: &str, specs: &[LeaseSpec]) -> StoreResult<Vec<Vec<Job>>>;
 
     /// Records that a worker asked for work, for `Stats`.
     async fn touch_worker(

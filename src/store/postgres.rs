@@ -2,9 +2,11 @@
 //!
 //! Claims use `FOR UPDATE SKIP LOCKED`; decisions that need the time use the
 //! database's `now()`, so replicas with skewed clocks agree. Other replicas
-//! learn about changes through one `NOTIFY` per transaction on [`CHANNEL`].
+//! learn about changes through `NOTIFY` on [`CHANNEL`], sent after the commits
+//! and coalesced across them. Hot-path calls come in batches (the coalescers
+//! of `engine::batchers`), and each batch is a handful of set-based statements.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,6 +16,7 @@ use serde_json::Value;
 use sqlx::postgres::{PgListener, PgPool, PgPoolOptions, PgRow};
 use sqlx::types::Json;
 use sqlx::{PgConnection, Row};
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -47,7 +50,9 @@ pub struct PgStore {
     notifier: Arc<Notifier>,
     caps: RunningCaps,
     breaker: BreakerPolicy,
-    /// Stops the LISTEN task when the store is dropped.
+    /// What committed, for the task that tells other replicas.
+    committed: mpsc::UnboundedSender<Changes>,
+    /// Stops the LISTEN and NOTIFY tasks when the store is dropped.
     listener_stop: CancellationToken,
 }
 
@@ -162,64 +167,278 @@ async fn load_for_update(
     Ok((job_from_row(&row)?, row.try_get("db_now")?))
 }
 
-/// Writes a job after a domain transition together with its event, in one
-/// statement. The `event_seq` guard turns a lost update into an error rather
-/// than a silent overwrite (the row lock makes it unreachable in practice).
-async fn save(conn: &mut PgConnection, job: &Job, event: &JobEvent) -> StoreResult<()> {
-    let previous_seq = i64::try_from(event.sequence - 1).map_err(|_| corrupt("event_seq"))?;
+/// Writes jobs after domain transitions together with their events, all in
+/// one statement. The `event_seq` guard turns a lost update into an error
+/// rather than a silent overwrite (the row locks make it unreachable in
+/// practice); each job may appear once.
+async fn save(conn: &mut PgConnection, saved: &[(&Job, &JobEvent)]) -> StoreResult<()> {
+    if saved.is_empty() {
+        return Ok(());
+    }
+    let n = saved.len();
+    let mut ids = Vec::with_capacity(n);
+    let mut states = Vec::with_capacity(n);
+    let mut results = Vec::with_capacity(n);
+    let mut error_classes = Vec::with_capacity(n);
+    let mut error_messages = Vec::with_capacity(n);
+    let mut attempts = Vec::with_capacity(n);
+    let mut progress = Vec::with_capacity(n);
+    let mut cancel_requested = Vec::with_capacity(n);
+    let mut cancel_requested_at = Vec::with_capacity(n);
+    let mut costs = Vec::with_capacity(n);
+    let mut owners = Vec::with_capacity(n);
+    let mut tokens = Vec::with_capacity(n);
+    let mut lease_expires = Vec::with_capacity(n);
+    let mut run_ats = Vec::with_capacity(n);
+    let mut deadlines = Vec::with_capacity(n);
+    let mut updated = Vec::with_capacity(n);
+    let mut finished = Vec::with_capacity(n);
+    let mut seqs = Vec::with_capacity(n);
+    let mut types = Vec::with_capacity(n);
+    let mut workers = Vec::with_capacity(n);
+    let mut details = Vec::with_capacity(n);
+    for (job, event) in saved {
+        ids.push(job.id);
+        states.push(job.state.as_str());
+        results.push(job.result.as_ref().map(Json));
+        error_classes.push(job.error.as_ref().map(|e| e.class.as_str()));
+        error_messages.push(job.error.as_ref().map(|e| e.message.as_str()));
+        attempts.push(i32::try_from(job.attempt).map_err(|_| corrupt("attempt"))?);
+        progress.push(job.progress);
+        cancel_requested.push(job.cancel_requested);
+        cancel_requested_at.push(job.cancel_requested_at);
+        costs.push(job.cost_cents);
+        owners.push(job.lease_owner.as_deref());
+        tokens.push(job.lease_token.as_deref());
+        lease_expires.push(job.lease_expires_at);
+        run_ats.push(job.run_at);
+        deadlines.push(job.deadline);
+        updated.push(job.updated_at);
+        finished.push(job.finished_at);
+        seqs.push(i64::try_from(event.sequence).map_err(|_| corrupt("event_seq"))?);
+        types.push(event.kind.as_str());
+        workers.push(event.worker_id.as_deref());
+        details.push(event.detail.as_ref().map(Json));
+    }
     let done = sqlx::query(
-        "WITH upd AS (
-            UPDATE jobs SET state = $2, result = $3, error_class = $4, error_message = $5,
-                attempt = $6, progress = $7, cancel_requested = $8, cancel_requested_at = $9,
-                cost_cents = $10, lease_owner = $11, lease_token = $12, lease_expires_at = $13,
-                run_at = $14, deadline = $15, updated_at = $16, finished_at = $17, event_seq = $18
-            WHERE id = $1 AND event_seq = $19
-            RETURNING id
+        "WITH input AS (
+            SELECT * FROM unnest($1::uuid[], $2::text[], $3::jsonb[], $4::text[], $5::text[],
+                $6::int4[], $7::float8[], $8::bool[], $9::timestamptz[], $10::int8[], $11::text[],
+                $12::text[], $13::timestamptz[], $14::timestamptz[], $15::timestamptz[],
+                $16::timestamptz[], $17::timestamptz[], $18::int8[], $19::text[], $20::text[],
+                $21::jsonb[])
+              AS i(id, state, result, error_class, error_message, attempt, progress,
+                   cancel_requested, cancel_requested_at, cost_cents, lease_owner, lease_token,
+                   lease_expires_at, run_at, deadline, updated_at, finished_at, event_seq,
+                   event_type, worker_id, detail)
+         ), upd AS (
+            UPDATE jobs j SET state = i.state, result = i.result, error_class = i.error_class,
+                error_message = i.error_message, attempt = i.attempt, progress = i.progress,
+                cancel_requested = i.cancel_requested, cancel_requested_at = i.cancel_requested_at,
+                cost_cents = i.cost_cents, lease_owner = i.lease_owner, lease_token = i.lease_token,
+                lease_expires_at = i.lease_expires_at, run_at = i.run_at, deadline = i.deadline,
+                updated_at = i.updated_at, finished_at = i.finished_at, event_seq = i.event_seq
+            FROM input i
+            WHERE j.id = i.id AND j.event_seq = i.event_seq - 1
+            RETURNING j.id
          )
          INSERT INTO job_events (job_id, sequence, type, state, attempt, worker_id, at, detail)
-         SELECT id, $18, $20, $2, $6, $21, $16, $22 FROM upd",
+         SELECT i.id, i.event_seq, i.event_type, i.state, i.attempt, i.worker_id, i.updated_at,
+                i.detail
+         FROM input i JOIN upd ON upd.id = i.id",
     )
-    .bind(job.id)
-    .bind(job.state.as_str())
-    .bind(job.result.as_ref().map(Json))
-    .bind(job.error.as_ref().map(|e| e.class.as_str()))
-    .bind(job.error.as_ref().map(|e| e.message.as_str()))
-    .bind(i32::try_from(job.attempt).map_err(|_| corrupt("attempt"))?)
-    .bind(job.progress)
-    .bind(job.cancel_requested)
-    .bind(job.cancel_requested_at)
-    .bind(job.cost_cents)
-    .bind(job.lease_owner.as_deref())
-    .bind(job.lease_token.as_deref())
-    .bind(job.lease_expires_at)
-    .bind(job.run_at)
-    .bind(job.deadline)
-    .bind(job.updated_at)
-    .bind(job.finished_at)
-    .bind(previous_seq + 1)
-    .bind(previous_seq)
-    .bind(event.kind.as_str())
-    .bind(event.worker_id.as_deref())
-    .bind(event.detail.as_ref().map(Json))
+    .bind(&ids)
+    .bind(&states)
+    .bind(&results)
+    .bind(&error_classes)
+    .bind(&error_messages)
+    .bind(&attempts)
+    .bind(&progress)
+    .bind(&cancel_requested)
+    .bind(&cancel_requested_at)
+    .bind(&costs)
+    .bind(&owners)
+    .bind(&tokens)
+    .bind(&lease_expires)
+    .bind(&run_ats)
+    .bind(&deadlines)
+    .bind(&updated)
+    .bind(&finished)
+    .bind(&seqs)
+    .bind(&types)
+    .bind(&workers)
+    .bind(&details)
     .execute(&mut *conn)
     .await?;
-    if done.rows_affected() != 1 {
+    if done.rows_affected() != n as u64 {
         return Err(StoreError::Internal("job changed concurrently".into()));
     }
     Ok(())
 }
 
-/// Sends one NOTIFY for the whole transaction (delivered at commit).
-async fn notify(conn: &mut PgConnection, changes: &Changes) -> StoreResult<()> {
-    if changes.is_empty() {
-        return Ok(());
-    }
-    sqlx::query("SELECT pg_notify($1, $2)")
-        .bind(CHANNEL)
-        .bind(changes.payload())
-        .execute(&mut *conn)
+/// The circuit breakers a batch of outcomes counts against, locked for the
+/// batch's transaction, and what the outcomes did to them.
+#[derive(Default)]
+struct Breakers {
+    /// By queue and kind: the breaker now (`None`: closed, no row), and
+    /// whether the batch changed it.
+    rows: HashMap<(String, String), (Option<Breaker>, bool)>,
+}
+
+impl Breakers {
+    /// Locks the breaker rows of the jobs' queues and kinds (a superset is
+    /// harmless), in key order so that concurrent batches cannot deadlock.
+    async fn load(
+        conn: &mut PgConnection,
+        tenant: &str,
+        jobs: impl Iterator<Item = &Job>,
+    ) -> StoreResult<Breakers> {
+        let (queues, kinds): (Vec<&str>, Vec<&str>) =
+            jobs.map(|j| (j.queue.as_str(), j.kind.as_str())).unzip();
+        let rows = sqlx::query(
+            "SELECT queue, kind, failures, max_retry_after_ms, open_until, probe_job FROM breakers
+             WHERE tenant = $1 AND queue = ANY($2) AND kind = ANY($3)
+             ORDER BY queue, kind FOR UPDATE",
+        )
+        .bind(tenant)
+        .bind(&queues)
+        .bind(&kinds)
+        .fetch_all(&mut *conn)
         .await?;
-    Ok(())
+        let mut breakers = Breakers::default();
+        for row in &rows {
+            let breaker = Breaker {
+                failures: to_u32(row.try_get("failures")?, "failures")?,
+                max_retry_after: Duration::from_millis(to_u64(
+                    row.try_get("max_retry_after_ms")?,
+                    "max_retry_after_ms",
+                )?),
+                open_until: row.try_get("open_until")?,
+                probe_job: row.try_get("probe_job")?,
+            };
+            breakers.rows.insert(
+                (row.try_get("queue")?, row.try_get("kind")?),
+                (Some(breaker), false),
+            );
+        }
+        Ok(breakers)
+    }
+
+    /// Counts one attempt's outcome, in the order the batch applies them.
+    fn outcome(
+        &mut self,
+        job: &Job,
+        failure: Option<&(String, Option<Duration>)>,
+        now: DateTime<Utc>,
+        policy: &BreakerPolicy,
+    ) {
+        let entry = self
+            .rows
+            .entry((job.queue.clone(), job.kind.clone()))
+            .or_insert((None, false));
+        let failure = failure.map(|(class, retry_after)| (class.as_str(), *retry_after));
+        match breaker::on_outcome(entry.0.as_ref(), failure, job.id, now, policy) {
+            BreakerChange::Unchanged => {}
+            BreakerChange::Reset => {
+                if entry.0.take().is_some_and(|b| b.open_until.is_some()) {
+                    tracing::info!(tenant = %job.tenant, queue = %job.queue, kind = %job.kind, "circuit breaker closed");
+                }
+                entry.1 = true;
+            }
+            BreakerChange::Update { breaker, opened } => {
+                if opened {
+                    tracing::warn!(
+                        tenant = %job.tenant, queue = %job.queue, kind = %job.kind,
+                        failures = breaker.failures, open_until = ?breaker.open_until,
+                        "circuit breaker opened"
+                    );
+                }
+                entry.0 = Some(breaker);
+                entry.1 = true;
+            }
+        }
+    }
+
+    /// Writes the breakers the batch changed (rare: failures, and the first
+    /// success after them).
+    async fn write(&self, conn: &mut PgConnection, tenant: &str) -> StoreResult<()> {
+        for ((queue, kind), (breaker, changed)) in &self.rows {
+            if !changed {
+                continue;
+            }
+            match breaker {
+                None => {
+                    sqlx::query(
+                        "DELETE FROM breakers WHERE tenant = $1 AND queue = $2 AND kind = $3",
+                    )
+                    .bind(tenant)
+                    .bind(queue)
+                    .bind(kind)
+                    .execute(&mut *conn)
+                    .await?;
+                }
+                Some(breaker) => {
+                    sqlx::query(
+                        "INSERT INTO breakers (tenant, queue, kind, failures, max_retry_after_ms,
+                            open_until, probe_job, updated_at)
+                         VALUES ($1, $2, $3, $4, $5, $6, $7, now())
+                         ON CONFLICT (tenant, queue, kind) DO UPDATE SET failures = EXCLUDED.failures,
+                            max_retry_after_ms = EXCLUDED.max_retry_after_ms,
+                            open_until = EXCLUDED.open_until, probe_job = EXCLUDED.probe_job,
+                            updated_at = now()",
+                    )
+                    .bind(tenant)
+                    .bind(queue)
+                    .bind(kind)
+                    .bind(i32::try_from(breaker.failures).unwrap_or(i32::MAX))
+                    .bind(millis(breaker.max_retry_after))
+                    .bind(breaker.open_until)
+                    .bind(breaker.probe_job)
+                    .execute(&mut *conn)
+                    .await?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Borrows transitioned jobs with their events, for [`save`].
+fn pairs(owned: &[(Job, JobEvent)]) -> Vec<(&Job, &JobEvent)> {
+    owned.iter().map(|(job, event)| (job, event)).collect()
+}
+
+/// Sends other replicas what committed transactions changed, after their
+/// commits: whatever committed while the previous NOTIFY was in flight goes
+/// into the next one, so a busy replica sends a few notifications a second
+/// however many jobs move. A notification is only a hint (replicas also
+/// re-read on a timer), so one lost in a crash costs latency, never a job.
+async fn announce(
+    pool: PgPool,
+    mut committed: mpsc::UnboundedReceiver<Changes>,
+    stop: CancellationToken,
+) {
+    loop {
+        let mut changes = tokio::select! {
+            () = stop.cancelled() => return,
+            next = committed.recv() => match next {
+                Some(changes) => changes,
+                None => return,
+            },
+        };
+        while let Ok(more) = committed.try_recv() {
+            changes.merge(more);
+        }
+        let sent =
+            sqlx::query("SELECT pg_notify($1, payload) FROM unnest($2::text[]) AS p(payload)")
+                .bind(CHANNEL)
+                .bind(changes.payloads())
+                .execute(&pool)
+                .await;
+        if let Err(err) = sent {
+            tracing::warn!(error = %err, "could not notify other replicas; they will poll");
+        }
+    }
 }
 
 impl PgStore {
@@ -239,93 +458,27 @@ impl PgStore {
             Arc::clone(&notifier),
             listener_stop.clone(),
         ));
+        let (committed, to_announce) = mpsc::unbounded_channel();
+        tokio::spawn(announce(pool.clone(), to_announce, listener_stop.clone()));
         Ok(PgStore {
             pool,
             notifier,
             caps: RunningCaps::from_settings(settings),
             breaker: settings.breaker.clone(),
+            committed,
             listener_stop,
         })
     }
 
-    /// Counts an attempt's outcome against its queue and kind's breaker, in
-    /// the caller's transaction. A success touches nothing when the breaker
-    /// has no row (the common case): one primary-key read.
-    async fn update_breaker(
-        &self,
-        conn: &mut PgConnection,
-        job: &Job,
-        failure: Option<&(String, Option<Duration>)>,
-        now: DateTime<Utc>,
-    ) -> StoreResult<()> {
-        if self.breaker.threshold == 0 {
-            return Ok(());
+    /// After a commit: wakes this replica's waiters at once and queues the
+    /// changes for the other replicas.
+    fn committed(&self, changes: Changes) {
+        if changes.is_empty() {
+            return;
         }
-        let row = sqlx::query(
-            "SELECT failures, max_retry_after_ms, open_until, probe_job FROM breakers
-             WHERE tenant = $1 AND queue = $2 AND kind = $3 FOR UPDATE",
-        )
-        .bind(&job.tenant)
-        .bind(&job.queue)
-        .bind(&job.kind)
-        .fetch_optional(&mut *conn)
-        .await?;
-        let current = row
-            .map(|row| -> StoreResult<Breaker> {
-                Ok(Breaker {
-                    failures: to_u32(row.try_get("failures")?, "failures")?,
-                    max_retry_after: Duration::from_millis(to_u64(
-                        row.try_get("max_retry_after_ms")?,
-                        "max_retry_after_ms",
-                    )?),
-                    open_until: row.try_get("open_until")?,
-                    probe_job: row.try_get("probe_job")?,
-                })
-            })
-            .transpose()?;
-        let failure = failure.map(|(class, retry_after)| (class.as_str(), *retry_after));
-        match breaker::on_outcome(current.as_ref(), failure, job.id, now, &self.breaker) {
-            BreakerChange::Unchanged => {}
-            BreakerChange::Reset => {
-                sqlx::query("DELETE FROM breakers WHERE tenant = $1 AND queue = $2 AND kind = $3")
-                    .bind(&job.tenant)
-                    .bind(&job.queue)
-                    .bind(&job.kind)
-                    .execute(&mut *conn)
-                    .await?;
-                if current.is_some_and(|b| b.open_until.is_some()) {
-                    tracing::info!(tenant = %job.tenant, queue = %job.queue, kind = %job.kind, "circuit breaker closed");
-                }
-            }
-            BreakerChange::Update { breaker, opened } => {
-                sqlx::query(
-                    "INSERT INTO breakers (tenant, queue, kind, failures, max_retry_after_ms, open_until,
-                        probe_job, updated_at)
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, now())
-                     ON CONFLICT (tenant, queue, kind) DO UPDATE SET failures = EXCLUDED.failures,
-                        max_retry_after_ms = EXCLUDED.max_retry_after_ms,
-                        open_until = EXCLUDED.open_until, probe_job = EXCLUDED.probe_job,
-                        updated_at = now()",
-                )
-                .bind(&job.tenant)
-                .bind(&job.queue)
-                .bind(&job.kind)
-                .bind(i32::try_from(breaker.failures).unwrap_or(i32::MAX))
-                .bind(millis(breaker.max_retry_after))
-                .bind(breaker.open_until)
-                .bind(breaker.probe_job)
-                .execute(&mut *conn)
-                .await?;
-                if opened {
-                    tracing::warn!(
-                        tenant = %job.tenant, queue = %job.queue, kind = %job.kind,
-                        failures = breaker.failures, open_until = ?breaker.open_until,
-                        "circuit breaker opened"
-                    );
-                }
-            }
-        }
-        Ok(())
+        changes.wake(&self.notifier);
+        // Only fails once the store is being dropped.
+        let _ = self.committed.send(changes);
     }
 
     /// Runs `apply` on the locked job and saves what it decided, in one
@@ -338,76 +491,12 @@ impl PgStore {
         let (mut job, now) = load_for_update(&mut tx, tenant, id).await?;
         let mut changes = Changes::default();
         if let Some(event) = apply(&mut job, now)? {
-            save(&mut tx, &job, &event).await?;
+            save(&mut tx, &[(&job, &event)]).await?;
             changes.job(&job);
-            notify(&mut tx, &changes).await?;
         }
         tx.commit().await?;
-        changes.wake(&self.notifier);
+        self.committed(changes);
         Ok(job)
-    }
-
-    async fn submit_one(
-        &self,
-        conn: &mut PgConnection,
-        tenant: &str,
-        new: NewJob,
-    ) -> StoreResult<StoreResult<Submitted>> {
-        let inserted = sqlx::query(
-            "WITH ins AS (
-                INSERT INTO jobs (id, tenant, queue, kind, state, payload, max_attempts, priority,
-                    idempotency_key, input_hash, labels, run_at, deadline, backoff_initial_ms,
-                    backoff_max_ms, callback_url, max_cost_cents, created_at, updated_at, event_seq,
-                    trace_parent)
-                VALUES ($1, $2, $3, $4, 'queued', $5, $6, $7, $8, $9, $10, COALESCE($11, now()), $12,
-                    $13, $14, $15, $16, now(), now(), 1, $17)
-                ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-                RETURNING *
-             ), ev AS (
-                INSERT INTO job_events (job_id, sequence, type, state, attempt, at)
-                SELECT id, 1, 'submitted', 'queued', 0, created_at FROM ins
-             )
-             SELECT * FROM ins",
-        )
-        .bind(Uuid::now_v7())
-        .bind(tenant)
-        .bind(&new.queue)
-        .bind(&new.kind)
-        .bind(Json(&new.payload))
-        .bind(i32::try_from(new.max_attempts).map_err(|_| corrupt("max_attempts"))?)
-        .bind(new.priority)
-        .bind(new.idempotency_key.as_deref())
-        .bind(&new.input_hash)
-        .bind(Json(&new.labels))
-        .bind(new.run_at)
-        .bind(new.deadline)
-        .bind(millis(new.backoff.initial()))
-        .bind(millis(new.backoff.max()))
-        .bind(new.callback_url.as_deref())
-        .bind(new.max_cost_cents)
-        .bind(new.trace_parent.as_deref())
-        .fetch_optional(&mut *conn)
-        .await?;
-        if let Some(row) = inserted {
-            return Ok(Ok(Submitted {
-                job: job_from_row(&row)?,
-                created: true,
-            }));
-        }
-        // The key exists (possibly committed by a concurrent submit we waited for).
-        let row = sqlx::query("SELECT * FROM jobs WHERE tenant = $1 AND idempotency_key = $2")
-            .bind(tenant)
-            .bind(new.idempotency_key.as_deref())
-            .fetch_one(&mut *conn)
-            .await?;
-        let job = job_from_row(&row)?;
-        if job.input_hash != new.input_hash {
-            return Ok(Err(StoreError::IdempotencyConflict));
-        }
-        Ok(Ok(Submitted {
-            job,
-            created: false,
-        }))
     }
 }
 
@@ -441,21 +530,122 @@ impl Store for PgStore {
         tenant: &str,
         jobs: Vec<NewJob>,
     ) -> StoreResult<Vec<StoreResult<Submitted>>> {
-        let mut tx = self.pool.begin().await?;
-        let mut results = Vec::with_capacity(jobs.len());
-        let mut changes = Changes::default();
-        for new in jobs {
-            let result = self.submit_one(&mut tx, tenant, new).await?;
-            if let Ok(submitted) = &result
-                && submitted.created
-            {
-                changes.submitted(&submitted.job);
-            }
-            results.push(result);
+        let n = jobs.len();
+        let ids: Vec<Uuid> = jobs.iter().map(|_| Uuid::now_v7()).collect();
+        let mut max_attempts = Vec::with_capacity(n);
+        let mut initial = Vec::with_capacity(n);
+        let mut max = Vec::with_capacity(n);
+        for new in &jobs {
+            max_attempts
+                .push(i32::try_from(new.max_attempts).map_err(|_| corrupt("max_attempts"))?);
+            initial.push(millis(new.backoff.initial()));
+            max.push(millis(new.backoff.max()));
         }
-        notify(&mut tx, &changes).await?;
+        let column = |f: fn(&NewJob) -> Option<&str>| jobs.iter().map(f).collect::<Vec<_>>();
+        let mut tx = self.pool.begin().await?;
+        // All items in one statement, in order; a key already taken (also
+        // by an earlier item of this statement) inserts nothing and is
+        // answered below from the row that holds it.
+        let rows = sqlx::query(
+            "WITH input AS (
+                SELECT * FROM unnest($2::uuid[], $3::text[], $4::text[], $5::jsonb[], $6::int4[],
+                    $7::int4[], $8::text[], $9::text[], $10::jsonb[], $11::timestamptz[],
+                    $12::timestamptz[], $13::int8[], $14::int8[], $15::text[], $16::int8[],
+                    $17::text[]) WITH ORDINALITY
+                  AS i(id, queue, kind, payload, max_attempts, priority, idempotency_key,
+                       input_hash, labels, run_at, deadline, backoff_initial_ms, backoff_max_ms,
+                       callback_url, max_cost_cents, trace_parent, ord)
+             ), ins AS (
+                INSERT INTO jobs (id, tenant, queue, kind, state, payload, max_attempts, priority,
+                    idempotency_key, input_hash, labels, run_at, deadline, backoff_initial_ms,
+                    backoff_max_ms, callback_url, max_cost_cents, created_at, updated_at, event_seq,
+                    trace_parent)
+                SELECT id, $1, queue, kind, 'queued', payload, max_attempts, priority,
+                    idempotency_key, input_hash, labels, COALESCE(run_at, now()), deadline,
+                    backoff_initial_ms, backoff_max_ms, callback_url, max_cost_cents, now(), now(), 1,
+                    trace_parent
+                FROM input ORDER BY ord
+                ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+                RETURNING *
+             ), ev AS (
+                INSERT INTO job_events (job_id, sequence, type, state, attempt, at)
+                SELECT id, 1, 'submitted', 'queued', 0, created_at FROM ins
+             )
+             SELECT * FROM ins",
+        )
+        .bind(tenant)
+        .bind(&ids)
+        .bind(jobs.iter().map(|j| j.queue.as_str()).collect::<Vec<_>>())
+        .bind(jobs.iter().map(|j| j.kind.as_str()).collect::<Vec<_>>())
+        .bind(jobs.iter().map(|j| Json(&j.payload)).collect::<Vec<_>>())
+        .bind(&max_attempts)
+        .bind(jobs.iter().map(|j| j.priority).collect::<Vec<_>>())
+        .bind(column(|j| j.idempotency_key.as_deref()))
+        .bind(jobs.iter().map(|j| j.input_hash.as_str()).collect::<Vec<_>>())
+        .bind(jobs.iter().map(|j| Json(&j.labels)).collect::<Vec<_>>())
+        .bind(jobs.iter().map(|j| j.run_at).collect::<Vec<_>>())
+        .bind(jobs.iter().map(|j| j.deadline).collect::<Vec<_>>())
+        .bind(&initial)
+        .bind(&max)
+        .bind(column(|j| j.callback_url.as_deref()))
+        .bind(jobs.iter().map(|j| j.max_cost_cents).collect::<Vec<_>>())
+        .bind(column(|j| j.trace_parent.as_deref()))
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut created: HashMap<Uuid, Job> = HashMap::with_capacity(rows.len());
+        for row in &rows {
+            let job = job_from_row(row)?;
+            created.insert(job.id, job);
+        }
+        // Keys that were taken: possibly committed by a concurrent submit
+        // this statement waited for.
+        let taken: Vec<&str> = jobs
+            .iter()
+            .zip(&ids)
+            .filter(|(_, id)| !created.contains_key(id))
+            .filter_map(|(new, _)| new.idempotency_key.as_deref())
+            .collect();
+        let mut holders: HashMap<String, Job> = HashMap::new();
+        if !taken.is_empty() {
+            let rows =
+                sqlx::query("SELECT * FROM jobs WHERE tenant = $1 AND idempotency_key = ANY($2)")
+                    .bind(tenant)
+                    .bind(&taken)
+                    .fetch_all(&mut *tx)
+                    .await?;
+            for row in &rows {
+                let job = job_from_row(row)?;
+                if let Some(key) = job.idempotency_key.clone() {
+                    holders.insert(key, job);
+                }
+            }
+        }
         tx.commit().await?;
-        changes.wake(&self.notifier);
+        let mut changes = Changes::default();
+        let mut results = Vec::with_capacity(n);
+        for (new, id) in jobs.iter().zip(&ids) {
+            if let Some(job) = created.remove(id) {
+                changes.submitted(&job);
+                results.push(Ok(Submitted { job, created: true }));
+                continue;
+            }
+            let holder = new
+                .idempotency_key
+                .as_deref()
+                .and_then(|key| holders.get(key))
+                .ok_or_else(|| {
+                    StoreError::Internal("submitted job neither stored nor found".into())
+                })?;
+            results.push(if holder.input_hash == new.input_hash {
+                Ok(Submitted {
+                    job: holder.clone(),
+                    created: false,
+                })
+            } else {
+                Err(StoreError::IdempotencyConflict)
+            });
+        }
+        self.committed(changes);
         Ok(results)
     }
 
@@ -591,18 +781,18 @@ impl Store for PgStore {
         .fetch_all(&mut *tx)
         .await?;
         let mut changes = Changes::default();
-        let mut retried = Vec::with_capacity(rows.len());
+        let mut replayed = Vec::with_capacity(rows.len());
         for row in &rows {
             let mut job = job_from_row(row)?;
             let now: DateTime<Utc> = row.try_get("db_now")?;
             let event = transition::replay(&mut job, now)?;
-            save(&mut tx, &job, &event).await?;
             changes.job(&job);
-            retried.push(job.id);
+            replayed.push((job, event));
         }
-        notify(&mut tx, &changes).await?;
+        save(&mut tx, &pairs(&replayed)).await?;
         tx.commit().await?;
-        changes.wake(&self.notifier);
+        self.committed(changes);
+        let retried = replayed.iter().map(|(job, _)| job.id).collect();
         Ok(Retried { retried, matched })
     }
 
@@ -717,8 +907,23 @@ impl Store for PgStore {
         })
     }
 
-    #[tracing::instrument(name = "store.lease", skip_all, fields(worker_id = %spec.worker_id, max_jobs = spec.max_jobs))]
-    async fn lease(&self, tenant: &str, spec: &LeaseSpec) -> StoreResult<Vec<Job>> {
+    #[tracing::instrument(name = "store.lease", skip_all, fields(callers = specs.len()))]
+    async fn lease(&self, tenant: &str, specs: &[LeaseSpec]) -> StoreResult<Vec<Vec<Job>>> {
+        let Some(spec) = specs.first() else {
+            return Ok(Vec::new());
+        };
+        // One slot per job asked for, in caller order: the claim fills slot
+        // k with its k-th best candidate, leased to that slot's worker.
+        let mut slot_caller = Vec::new();
+        let mut slot_worker = Vec::new();
+        let mut slot_lease_ms = Vec::new();
+        for (caller, s) in specs.iter().enumerate() {
+            for _ in 0..s.max_jobs {
+                slot_caller.push(caller);
+                slot_worker.push(s.worker_id.as_str());
+                slot_lease_ms.push(millis(s.lease_duration));
+            }
+        }
         let mut tx = self.pool.begin().await?;
         let only_tenant = (!spec.all_tenants).then_some(tenant);
         // Tenants: the caller's, or every tenant with queued jobs, found by a
@@ -782,7 +987,8 @@ impl Store for PgStore {
                     SELECT 1 FROM paused_queues p WHERE p.tenant = t.tenant AND p.queue = q.name
                 )
              ), picked AS (
-                SELECT id FROM (
+                SELECT id, row_number() OVER (ORDER BY tenant_load, priority DESC, run_at, id) AS slot
+                FROM (
                     SELECT *, row_number() OVER (PARTITION BY tenant_load_key, kind
                                                  ORDER BY priority DESC, run_at, id) AS kind_rank
                     FROM candidates
@@ -791,17 +997,20 @@ impl Store for PgStore {
                 ORDER BY tenant_load, priority DESC, run_at, id
                 LIMIT $4
              ), upd AS (
-                UPDATE jobs j SET state = 'running', attempt = j.attempt + 1, lease_owner = $5,
+                UPDATE jobs j SET state = 'running', attempt = j.attempt + 1, lease_owner = s.worker,
                     lease_token = gen_random_uuid()::text,
-                    lease_expires_at = LEAST(now() + $6 * interval '1 millisecond',
+                    lease_expires_at = LEAST(now() + s.lease_ms * interval '1 millisecond',
                                              COALESCE(j.deadline, 'infinity'::timestamptz)),
                     started_at = COALESCE(j.started_at, now()),
                     leased_at = now(),
                     updated_at = GREATEST(j.updated_at, now()),
                     progress = 0,
                     event_seq = j.event_seq + 1
-                FROM picked WHERE j.id = picked.id
-                RETURNING j.*
+                FROM picked
+                JOIN unnest($5::text[], $6::int8[]) WITH ORDINALITY AS s(worker, lease_ms, slot)
+                  ON s.slot = picked.slot
+                WHERE j.id = picked.id
+                RETURNING j.*, s.slot
              ), ev AS (
                 INSERT INTO job_events (job_id, sequence, type, state, attempt, worker_id, at)
                 SELECT id, event_seq, 'leased', 'running', attempt, lease_owner, updated_at FROM upd
@@ -819,32 +1028,37 @@ impl Store for PgStore {
         .bind(only_tenant)
         .bind(&spec.queues)
         .bind(&spec.kinds)
-        .bind(i64::from(spec.max_jobs))
-        .bind(&spec.worker_id)
-        .bind(millis(spec.lease_duration))
+        .bind(i64::try_from(slot_caller.len()).unwrap_or(i64::MAX))
+        .bind(&slot_worker)
+        .bind(&slot_lease_ms)
         .bind(&self.caps.queues)
         .bind(&self.caps.caps)
         .bind(self.caps.default)
         .fetch_all(&mut *tx)
         .await?;
-        let mut jobs = rows
-            .iter()
-            .map(job_from_row)
-            .collect::<StoreResult<Vec<_>>>()?;
-        jobs.sort_by(|a, b| {
-            b.priority
-                .cmp(&a.priority)
-                .then(a.run_at.cmp(&b.run_at))
-                .then(a.id.cmp(&b.id))
-        });
+        let mut claimed: Vec<Vec<Job>> = specs.iter().map(|_| Vec::new()).collect();
         let mut changes = Changes::default();
-        for job in &jobs {
-            changes.job(job);
+        for row in &rows {
+            let job = job_from_row(row)?;
+            let slot: i64 = row.try_get("slot")?;
+            let caller = usize::try_from(slot - 1)
+                .ok()
+                .and_then(|i| slot_caller.get(i))
+                .ok_or_else(|| corrupt("slot"))?;
+            changes.job(&job);
+            claimed[*caller].push(job);
         }
-        notify(&mut tx, &changes).await?;
+        for jobs in &mut claimed {
+            jobs.sort_by(|a, b| {
+                b.priority
+                    .cmp(&a.priority)
+                    .then(a.run_at.cmp(&b.run_at))
+                    .then(a.id.cmp(&b.id))
+            });
+        }
         tx.commit().await?;
-        changes.wake(&self.notifier);
-        Ok(jobs)
+        self.committed(changes);
+        Ok(claimed)
     }
 
     #[tracing::instrument(name = "store.touch_worker", skip_all, fields(worker_id))]
@@ -902,7 +1116,9 @@ impl Store for PgStore {
         match row {
             Some(row) => {
                 if with_event {
-                    self.notifier.job_changed(spec.job_id);
+                    let mut changes = Changes::default();
+                    changes.watched(spec.job_id);
+                    self.committed(changes);
                 }
                 Ok(HeartbeatAck {
                     lease_expires_at: row.try_get("lease_expires_at")?,
@@ -922,19 +1138,48 @@ impl Store for PgStore {
         tenant: &str,
         items: Vec<CompleteSpec>,
     ) -> StoreResult<Vec<StoreResult<Ended>>> {
+        let ids: Vec<Uuid> = items.iter().map(|item| item.job_id).collect();
         let mut tx = self.pool.begin().await?;
-        let mut changes = Changes::default();
+        // Locked in id order, so concurrent batches cannot deadlock.
+        let rows = sqlx::query(
+            "SELECT *, now() AS db_now,
+                EXISTS (SELECT 1 FROM breakers b WHERE b.tenant = jobs.tenant
+                        AND b.queue = jobs.queue AND b.kind = jobs.kind) AS has_breaker
+             FROM jobs WHERE id = ANY($1) AND tenant = $2 ORDER BY id FOR UPDATE",
+        )
+        .bind(&ids)
+        .bind(tenant)
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut now = Utc::now();
+        let mut has_breaker = false;
+        let mut jobs: HashMap<Uuid, Job> = HashMap::with_capacity(rows.len());
+        for row in &rows {
+            now = row.try_get("db_now")?;
+            has_breaker |= row.try_get::<bool, _>("has_breaker")?;
+            let job = job_from_row(row)?;
+            jobs.insert(job.id, job);
+        }
+        let failures = items
+            .iter()
+            .any(|item| breaker::failure_of(&item.outcome).is_some());
+        let mut breakers = if self.breaker.threshold > 0 && (failures || has_breaker) {
+            Breakers::load(&mut tx, tenant, jobs.values()).await?
+        } else {
+            Breakers::default()
+        };
+        let mut ended_ids = HashSet::new();
         let mut results = Vec::with_capacity(items.len());
         for item in items {
-            let (mut job, now) = match load_for_update(&mut tx, tenant, item.job_id).await {
-                Ok(loaded) => loaded,
-                Err(StoreError::NotFound) => {
-                    results.push(Err(StoreError::NotFound));
-                    continue;
-                }
-                Err(other) => return Err(other),
+            let Some(mut job) = jobs.remove(&item.job_id) else {
+                // A second outcome for a job this batch already ended.
+                results.push(Err(if ended_ids.contains(&item.job_id) {
+                    StoreError::LeaseLost
+                } else {
+                    StoreError::NotFound
+                }));
+                continue;
             };
-            let jitter = rand::random::<f64>();
             let attempt = job.running_attempt();
             let failure = breaker::failure_of(&item.outcome);
             match transition::complete(
@@ -943,25 +1188,38 @@ impl Store for PgStore {
                 item.outcome,
                 item.cost_cents,
                 now,
-                jitter,
+                rand::random::<f64>(),
             ) {
                 Ok(event) => {
-                    save(&mut tx, &job, &event).await?;
-                    self.update_breaker(&mut tx, &job, failure.as_ref(), now)
-                        .await?;
-                    changes.job(&job);
+                    if self.breaker.threshold > 0 {
+                        breakers.outcome(&job, failure.as_ref(), now, &self.breaker);
+                    }
+                    ended_ids.insert(job.id);
                     // A successful complete always ended a running attempt.
                     results.push(
                         Ended::new(attempt, job, event)
                             .ok_or_else(|| StoreError::Internal("no running attempt".into())),
                     );
                 }
-                Err(err) => results.push(Err(err.into())),
+                Err(err) => {
+                    jobs.insert(job.id, job);
+                    results.push(Err(err.into()));
+                }
             }
         }
-        notify(&mut tx, &changes).await?;
+        let saved: Vec<(&Job, &JobEvent)> = results
+            .iter()
+            .flatten()
+            .map(|ended| (&ended.job, &ended.event))
+            .collect();
+        save(&mut tx, &saved).await?;
+        breakers.write(&mut tx, tenant).await?;
         tx.commit().await?;
-        changes.wake(&self.notifier);
+        let mut changes = Changes::default();
+        for ended in results.iter().flatten() {
+            changes.job(&ended.job);
+        }
+        self.committed(changes);
         Ok(results)
     }
 
@@ -985,28 +1243,36 @@ impl Store for PgStore {
         .fetch_all(&mut *tx)
         .await?;
         let mut changes = Changes::default();
-        let mut ended = Vec::with_capacity(expired_leases.len());
+        let mut reclaimed = Vec::with_capacity(expired_leases.len());
         for row in &expired_leases {
             let mut job = job_from_row(row)?;
             let now: DateTime<Utc> = row.try_get("db_now")?;
             let attempt = job.running_attempt();
             let event = transition::lease_expired(&mut job, now);
-            save(&mut tx, &job, &event).await?;
             changes.job(&job);
-            ended.extend(Ended::new(attempt, job, event));
+            reclaimed.push((attempt, job, event));
         }
-        let mut expired = Vec::with_capacity(past_deadline.len());
+        let mut past = Vec::with_capacity(past_deadline.len());
         for row in &past_deadline {
             let mut job = job_from_row(row)?;
             let now: DateTime<Utc> = row.try_get("db_now")?;
             let event = transition::deadline_passed(&mut job, now);
-            save(&mut tx, &job, &event).await?;
             changes.job(&job);
-            expired.push(event);
+            past.push((job, event));
         }
-        notify(&mut tx, &changes).await?;
+        let mut saved: Vec<(&Job, &JobEvent)> = reclaimed
+            .iter()
+            .map(|(_, job, event)| (job, event))
+            .collect();
+        saved.extend(pairs(&past));
+        save(&mut tx, &saved).await?;
         tx.commit().await?;
-        changes.wake(&self.notifier);
+        self.committed(changes);
+        let ended = reclaimed
+            .into_iter()
+            .filter_map(|(attempt, job, event)| Ended::new(attempt, job, event))
+            .collect();
+        let expired = past.into_iter().map(|(_, event)| event).collect();
         // Separate, small statement: deleting history must not hold the
         // reaper's row locks longer, nor block claims (it only touches
         // finished rows, which no claim reads).
@@ -1054,9 +1320,8 @@ impl Store for PgStore {
             // Waiting workers may claim again.
             changes.queue(tenant, queue);
         }
-        notify(&mut tx, &changes).await?;
         tx.commit().await?;
-        changes.wake(&self.notifier);
+        self.committed(changes);
         Ok(())
     }
 

@@ -469,6 +469,152 @@ impl SqliteStore {
         .await?;
         Ok(Ok(Submitted { job, created: true }))
     }
+
+    /// One spec's claim inside the caller's transaction.
+    async fn claim(
+        &self,
+        tx: &mut Tx,
+        tenant: &str,
+        spec: &LeaseSpec,
+        now: i64,
+        changes: &mut Changes,
+    ) -> StoreResult<Vec<Job>> {
+        let only_tenant = (!spec.all_tenants).then_some(tenant);
+        let caps: serde_json::Map<String, Value> = self
+            .caps
+            .queues
+            .iter()
+            .zip(&self.caps.caps)
+            .map(|(q, cap)| (q.clone(), Value::from(*cap)))
+            .collect();
+        // The same claim as PostgreSQL's (see there): tenants by a skip scan,
+        // the best candidates per tenant and queue, fewest running first,
+        // running caps respected. The single writer makes it race-free.
+        let rows = sqlx::query(
+            "WITH RECURSIVE seen(tenant) AS (
+                SELECT (SELECT tenant FROM jobs WHERE state = 'queued' AND ?1 IS NULL
+                        ORDER BY tenant LIMIT 1)
+                UNION ALL
+                SELECT (SELECT j.tenant FROM jobs j WHERE j.state = 'queued' AND j.tenant > s.tenant
+                        ORDER BY j.tenant LIMIT 1)
+                FROM seen s WHERE s.tenant IS NOT NULL
+             ), tenants AS (
+                SELECT tenant FROM seen WHERE tenant IS NOT NULL
+                UNION ALL
+                SELECT ?1 WHERE ?1 IS NOT NULL
+             ), pairs AS (
+                SELECT t.tenant, q.value AS queue FROM tenants t, json_each(?2) q
+                WHERE NOT EXISTS (
+                    SELECT 1 FROM paused_queues p WHERE p.tenant = t.tenant AND p.queue = q.value
+                )
+             ), running AS (
+                SELECT tenant, queue, count(*) AS n FROM jobs
+                WHERE state = 'running' AND (?1 IS NULL OR tenant = ?1)
+                GROUP BY tenant, queue
+             ), candidates AS (
+                SELECT j.id, j.priority, j.run_at, j.tenant, j.queue, j.kind,
+                    EXISTS (SELECT 1 FROM breakers b
+                            WHERE b.tenant = j.tenant AND b.queue = j.queue AND b.kind = j.kind
+                              AND b.open_until IS NOT NULL) AS half_open,
+                    coalesce((SELECT sum(r.n) FROM running r WHERE r.tenant = j.tenant), 0)
+                      + row_number() OVER (PARTITION BY j.tenant
+                                           ORDER BY j.priority DESC, j.run_at, j.id) AS tenant_load,
+                    coalesce((SELECT r.n FROM running r WHERE r.tenant = j.tenant AND r.queue = j.queue), 0)
+                      + row_number() OVER (PARTITION BY j.tenant, j.queue
+                                           ORDER BY j.priority DESC, j.run_at, j.id) AS queue_load,
+                    coalesce((SELECT c.value FROM json_each(?8) c WHERE c.key = j.queue), ?9) AS cap
+                FROM pairs p
+                JOIN jobs j ON j.id IN (
+                    SELECT id FROM jobs
+                    WHERE tenant = p.tenant AND queue = p.queue AND state = 'queued' AND run_at <= ?6
+                      AND (?3 = '[]' OR kind IN (SELECT value FROM json_each(?3)))
+                      AND (deadline IS NULL OR deadline > ?6)
+                      AND NOT EXISTS (
+                          SELECT 1 FROM breakers b
+                          WHERE b.tenant = p.tenant AND b.queue = p.queue AND b.kind = jobs.kind
+                            AND (b.open_until > ?6
+                                 OR EXISTS (SELECT 1 FROM jobs pr
+                                            WHERE pr.id = b.probe_job AND pr.state = 'running'))
+                      )
+                    ORDER BY priority DESC, run_at, id
+                    LIMIT ?4
+                )
+             ), picked AS (
+                SELECT id FROM (
+                    SELECT *, row_number() OVER (PARTITION BY tenant, queue, kind
+                                                 ORDER BY priority DESC, run_at, id) AS kind_rank
+                    FROM candidates
+                )
+                WHERE queue_load <= cap AND (NOT half_open OR kind_rank = 1)
+                ORDER BY tenant_load, priority DESC, run_at, id
+                LIMIT ?4
+             )
+             UPDATE jobs SET state = 'running', attempt = attempt + 1, lease_owner = ?5,
+                lease_token = lower(hex(randomblob(16))),
+                lease_expires_at = min(?6 + ?7, coalesce(deadline, ?6 + ?7)),
+                started_at = coalesce(started_at, ?6),
+                leased_at = ?6,
+                updated_at = max(updated_at, ?6),
+                progress = 0,
+                event_seq = event_seq + 1
+             WHERE id IN (SELECT id FROM picked)
+             RETURNING *",
+        )
+        .bind(only_tenant)
+        .bind(to_json(&spec.queues))
+        .bind(to_json(&spec.kinds))
+        .bind(i64::from(spec.max_jobs))
+        .bind(&spec.worker_id)
+        .bind(now)
+        .bind(duration_ms(spec.lease_duration))
+        .bind(to_json(&caps))
+        .bind(self.caps.default)
+        .fetch_all(&mut **tx)
+        .await?;
+        let mut jobs = rows
+            .iter()
+            .map(job_from_row)
+            .collect::<StoreResult<Vec<_>>>()?;
+        jobs.sort_by(|a, b| {
+            b.priority
+                .cmp(&a.priority)
+                .then(a.run_at.cmp(&b.run_at))
+                .then(a.id.cmp(&b.id))
+        });
+        for job in &jobs {
+            insert_event(
+                tx,
+                &JobEvent {
+                    job_id: job.id,
+                    sequence: job.event_seq,
+                    kind: EventType::Leased,
+                    state: JobState::Running,
+                    attempt: job.attempt,
+                    worker_id: job.lease_owner.clone(),
+                    at: job.updated_at,
+                    detail: None,
+                },
+            )
+            .await?;
+            // A job leased from a half-open breaker is its probe.
+            sqlx::query(
+                "UPDATE breakers SET probe_job = ?4, updated_at = ?5
+                 WHERE tenant = ?1 AND queue = ?2 AND kind = ?3 AND open_until <= ?5
+                   AND (probe_job IS NULL
+                        OR NOT EXISTS (SELECT 1 FROM jobs p WHERE p.id = breakers.probe_job
+                                                              AND p.state = 'running'))",
+            )
+            .bind(&job.tenant)
+            .bind(&job.queue)
+            .bind(&job.kind)
+            .bind(job.id.to_string())
+            .bind(now)
+            .execute(&mut **tx)
+            .await?;
+            changes.job(job);
+        }
+        Ok(jobs)
+    }
 }
 
 #[async_trait]
@@ -741,147 +887,19 @@ impl Store for SqliteStore {
         })
     }
 
-    #[tracing::instrument(name = "store.lease", skip_all, fields(worker_id = %spec.worker_id, max_jobs = spec.max_jobs))]
-    async fn lease(&self, tenant: &str, spec: &LeaseSpec) -> StoreResult<Vec<Job>> {
+    #[tracing::instrument(name = "store.lease", skip_all, fields(callers = specs.len()))]
+    async fn lease(&self, tenant: &str, specs: &[LeaseSpec]) -> StoreResult<Vec<Vec<Job>>> {
+        // The single writer makes one claim after another in one
+        // transaction as good as one statement: one commit for all.
         let mut tx = self.begin().await?;
         let now = ms(Utc::now());
-        let only_tenant = (!spec.all_tenants).then_some(tenant);
-        let caps: serde_json::Map<String, Value> = self
-            .caps
-            .queues
-            .iter()
-            .zip(&self.caps.caps)
-            .map(|(q, cap)| (q.clone(), Value::from(*cap)))
-            .collect();
-        // The same claim as PostgreSQL's (see there): tenants by a skip scan,
-        // the best candidates per tenant and queue, fewest running first,
-        // running caps respected. The single writer makes it race-free.
-        let rows = sqlx::query(
-            "WITH RECURSIVE seen(tenant) AS (
-                SELECT (SELECT tenant FROM jobs WHERE state = 'queued' AND ?1 IS NULL
-                        ORDER BY tenant LIMIT 1)
-                UNION ALL
-                SELECT (SELECT j.tenant FROM jobs j WHERE j.state = 'queued' AND j.tenant > s.tenant
-                        ORDER BY j.tenant LIMIT 1)
-                FROM seen s WHERE s.tenant IS NOT NULL
-             ), tenants AS (
-                SELECT tenant FROM seen WHERE tenant IS NOT NULL
-                UNION ALL
-                SELECT ?1 WHERE ?1 IS NOT NULL
-             ), pairs AS (
-                SELECT t.tenant, q.value AS queue FROM tenants t, json_each(?2) q
-                WHERE NOT EXISTS (
-                    SELECT 1 FROM paused_queues p WHERE p.tenant = t.tenant AND p.queue = q.value
-                )
-             ), running AS (
-                SELECT tenant, queue, count(*) AS n FROM jobs
-                WHERE state = 'running' AND (?1 IS NULL OR tenant = ?1)
-                GROUP BY tenant, queue
-             ), candidates AS (
-                SELECT j.id, j.priority, j.run_at, j.tenant, j.queue, j.kind,
-                    EXISTS (SELECT 1 FROM breakers b
-                            WHERE b.tenant = j.tenant AND b.queue = j.queue AND b.kind = j.kind
-                              AND b.open_until IS NOT NULL) AS half_open,
-                    coalesce((SELECT sum(r.n) FROM running r WHERE r.tenant = j.tenant), 0)
-                      + row_number() OVER (PARTITION BY j.tenant
-                                           ORDER BY j.priority DESC, j.run_at, j.id) AS tenant_load,
-                    coalesce((SELECT r.n FROM running r WHERE r.tenant = j.tenant AND r.queue = j.queue), 0)
-                      + row_number() OVER (PARTITION BY j.tenant, j.queue
-                                           ORDER BY j.priority DESC, j.run_at, j.id) AS queue_load,
-                    coalesce((SELECT c.value FROM json_each(?8) c WHERE c.key = j.queue), ?9) AS cap
-                FROM pairs p
-                JOIN jobs j ON j.id IN (
-                    SELECT id FROM jobs
-                    WHERE tenant = p.tenant AND queue = p.queue AND state = 'queued' AND run_at <= ?6
-                      AND (?3 = '[]' OR kind IN (SELECT value FROM json_each(?3)))
-                      AND (deadline IS NULL OR deadline > ?6)
-                      AND NOT EXISTS (
-                          SELECT 1 FROM breakers b
-                          WHERE b.tenant = p.tenant AND b.queue = p.queue AND b.kind = jobs.kind
-                            AND (b.open_until > ?6
-                                 OR EXISTS (SELECT 1 FROM jobs pr
-                                            WHERE pr.id = b.probe_job AND pr.state = 'running'))
-                      )
-                    ORDER BY priority DESC, run_at, id
-                    LIMIT ?4
-                )
-             ), picked AS (
-                SELECT id FROM (
-                    SELECT *, row_number() OVER (PARTITION BY tenant, queue, kind
-                                                 ORDER BY priority DESC, run_at, id) AS kind_rank
-                    FROM candidates
-                )
-                WHERE queue_load <= cap AND (NOT half_open OR kind_rank = 1)
-                ORDER BY tenant_load, priority DESC, run_at, id
-                LIMIT ?4
-             )
-             UPDATE jobs SET state = 'running', attempt = attempt + 1, lease_owner = ?5,
-                lease_token = lower(hex(randomblob(16))),
-                lease_expires_at = min(?6 + ?7, coalesce(deadline, ?6 + ?7)),
-                started_at = coalesce(started_at, ?6),
-                leased_at = ?6,
-                updated_at = max(updated_at, ?6),
-                progress = 0,
-                event_seq = event_seq + 1
-             WHERE id IN (SELECT id FROM picked)
-             RETURNING *",
-        )
-        .bind(only_tenant)
-        .bind(to_json(&spec.queues))
-        .bind(to_json(&spec.kinds))
-        .bind(i64::from(spec.max_jobs))
-        .bind(&spec.worker_id)
-        .bind(now)
-        .bind(duration_ms(spec.lease_duration))
-        .bind(to_json(&caps))
-        .bind(self.caps.default)
-        .fetch_all(&mut *tx)
-        .await?;
-        let mut jobs = rows
-            .iter()
-            .map(job_from_row)
-            .collect::<StoreResult<Vec<_>>>()?;
-        jobs.sort_by(|a, b| {
-            b.priority
-                .cmp(&a.priority)
-                .then(a.run_at.cmp(&b.run_at))
-                .then(a.id.cmp(&b.id))
-        });
         let mut changes = Changes::default();
-        for job in &jobs {
-            insert_event(
-                &mut tx,
-                &JobEvent {
-                    job_id: job.id,
-                    sequence: job.event_seq,
-                    kind: EventType::Leased,
-                    state: JobState::Running,
-                    attempt: job.attempt,
-                    worker_id: job.lease_owner.clone(),
-                    at: job.updated_at,
-                    detail: None,
-                },
-            )
-            .await?;
-            // A job leased from a half-open breaker is its probe.
-            sqlx::query(
-                "UPDATE breakers SET probe_job = ?4, updated_at = ?5
-                 WHERE tenant = ?1 AND queue = ?2 AND kind = ?3 AND open_until <= ?5
-                   AND (probe_job IS NULL
-                        OR NOT EXISTS (SELECT 1 FROM jobs p WHERE p.id = breakers.probe_job
-                                                              AND p.state = 'running'))",
-            )
-            .bind(&job.tenant)
-            .bind(&job.queue)
-            .bind(&job.kind)
-            .bind(job.id.to_string())
-            .bind(now)
-            .execute(&mut *tx)
-            .await?;
-            changes.job(job);
+        let mut claimed = Vec::with_capacity(specs.len());
+        for spec in specs {
+            claimed.push(self.claim(&mut tx, tenant, spec, now, &mut changes).await?);
         }
         self.commit(tx, &changes).await?;
-        Ok(jobs)
+        Ok(claimed)
     }
 
     #[tracing::instrument(name = "store.touch_worker", skip_all, fields(worker_id))]

@@ -1,0 +1,298 @@
+//! Coalescing of concurrent calls into shared store transactions.
+//!
+//! A durable commit is the unit of cost (one WAL flush on PostgreSQL, one
+//! fsync on SQLite), so one-job-per-call clients are limited by commits, not
+//! by work. A caller hands its call to a [`Coalescer`] and waits; a single
+//! task takes whatever calls have queued up while the earlier transactions
+//! were in flight, groups them by key, runs one store call per group, and
+//! answers each caller only after that call returned, which is after its
+//! COMMIT. There is no timer: an idle server flushes a lone call at once, and
+//! batches grow with load by themselves.
+//!
+//! A store error that fails a shared call (a statement refusing one bad
+//! item fails the whole transaction) must not fail its neighbours, so such a
+//! batch is run again one call at a time, and only the offending call gets
+//! the error. An unavailable database is answered to everyone at once: there
+//! is nothing to isolate, and a second try would only add load.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::hash::Hash;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use tokio::sync::{Semaphore, mpsc, oneshot};
+
+use crate::store::{StoreError, StoreResult};
+
+/// A future returned by [`Flush::flush`].
+pub type FlushFuture<'a, A> = Pin<Box<dyn Future<Output = StoreResult<Vec<A>>> + Send + 'a>>;
+
+/// How one kind of call is run in shared transactions.
+pub trait Flush: Send + Sync + 'static {
+    /// Calls with equal keys may share a transaction.
+    type Key: Eq + Hash + Clone + Send + 'static;
+    /// One caller's request.
+    type Call: Clone + Send + 'static;
+    /// One caller's answer.
+    type Answer: Send + 'static;
+
+    /// How much of a batch's budget a call uses (its jobs, for example).
+    fn weight(call: &Self::Call) -> usize;
+
+    /// Runs the calls in one transaction; the answers come in call order.
+    fn flush(&self, key: Self::Key, calls: Vec<Self::Call>) -> FlushFuture<'_, Self::Answer>;
+}
+
+struct Pending<F: Flush> {
+    key: F::Key,
+    call: F::Call,
+    reply: oneshot::Sender<StoreResult<F::Answer>>,
+}
+
+/// Hands calls to the coalescing task of one kind of call.
+pub struct Coalescer<F: Flush> {
+    calls: mpsc::UnboundedSender<Pending<F>>,
+}
+
+impl<F: Flush> Coalescer<F> {
+    /// Starts the task. At most `in_flight` shared transactions run at once
+    /// (each takes a database connection), and a batch stops growing at
+    /// `max_weight`.
+    pub fn start(flush: F, in_flight: usize, max_weight: usize) -> Self {
+        let (calls, queued) = mpsc::unbounded_channel();
+        tokio::spawn(run(Arc::new(flush), queued, in_flight.max(1), max_weight));
+        Coalescer { calls }
+    }
+
+    /// Runs `call` in a transaction shared with the concurrent calls of the
+    /// same key. A caller that goes away still has its call committed, just as
+    /// a call whose answer is lost on the wire.
+    pub async fn call(&self, key: F::Key, call: F::Call) -> StoreResult<F::Answer> {
+        let (reply, answer) = oneshot::channel();
+        self.calls
+            .send(Pending { key, call, reply })
+            .map_err(|_| stopped())?;
+        answer.await.map_err(|_| stopped())?
+    }
+}
+
+fn stopped() -> StoreError {
+    StoreError::Internal("the coalescing task stopped".into())
+}
+
+async fn run<F: Flush>(
+    flush: Arc<F>,
+    mut queued: mpsc::UnboundedReceiver<Pending<F>>,
+    in_flight: usize,
+    max_weight: usize,
+) {
+    let slots = Arc::new(Semaphore::new(in_flight));
+    let mut carried: Option<Pending<F>> = None;
+    loop {
+        // A slot first: while every slot is busy, calls keep queuing up and
+        // the next batch takes them all.
+        let Ok(slot) = Arc::clone(&slots).acquire_owned().await else {
+            return;
+        };
+        let first = match carried.take() {
+            Some(first) => first,
+            None => match queued.recv().await {
+                Some(first) => first,
+                None => return,
+            },
+        };
+        let mut weight = F::weight(&first.call);
+        let mut batch = vec![first];
+        while weight < max_weight {
+            let Ok(next) = queued.try_recv() else { break };
+            let w = F::weight(&next.call);
+            if weight + w > max_weight {
+                carried = Some(next);
+                break;
+            }
+            weight += w;
+            batch.push(next);
+        }
+        let flush = Arc::clone(&flush);
+        tokio::spawn(async move {
+            run_batch(&*flush, batch).await;
+            drop(slot);
+        });
+    }
+}
+
+/// Groups a batch by key, keeping each group in arrival order, and runs the
+/// groups side by side.
+async fn run_batch<F: Flush>(flush: &F, batch: Vec<Pending<F>>) {
+    let mut order: Vec<F::Key> = Vec::new();
+    let mut groups: HashMap<F::Key, Vec<Pending<F>>> = HashMap::new();
+    for pending in batch {
+        match groups.get_mut(&pending.key) {
+            Some(group) => group.push(pending),
+            None => {
+                order.push(pending.key.clone());
+                groups.insert(pending.key.clone(), vec![pending]);
+            }
+        }
+    }
+    let runs = order.into_iter().filter_map(|key| {
+        let group = groups.remove(&key)?;
+        Some(run_group(flush, key, group))
+    });
+    futures::future::join_all(runs).await;
+}
+
+async fn run_group<F: Flush>(flush: &F, key: F::Key, group: Vec<Pending<F>>) {
+    let (calls, replies): (Vec<F::Call>, Vec<_>) =
+        group.into_iter().map(|p| (p.call, p.reply)).unzip();
+    if calls.len() == 1 {
+        answer_alone(flush, key, calls, replies).await;
+        return;
+    }
+    // Kept for the one-by-one rerun; cheap beside a commit.
+    let spare = calls.clone();
+    match flush.flush(key.clone(), calls).await {
+        Ok(answers) => answer_all(replies, Ok(answers)),
+        Err(err @ StoreError::Unavailable(_)) => answer_all(replies, Err(err)),
+        Err(err) => {
+            tracing::debug!(error = %err, calls = spare.len(), "shared transaction failed; running its calls one by one");
+            for (call, reply) in spare.into_iter().zip(replies) {
+                answer_alone(flush, key.clone(), vec![call], vec![reply]).await;
+            }
+        }
+    }
+}
+
+async fn answer_alone<F: Flush>(
+    flush: &F,
+    key: F::Key,
+    calls: Vec<F::Call>,
+    replies: Vec<oneshot::Sender<StoreResult<F::Answer>>>,
+) {
+    let answers = flush.flush(key, calls).await;
+    answer_all(replies, answers);
+}
+
+fn answer_all<A>(replies: Vec<oneshot::Sender<StoreResult<A>>>, answers: StoreResult<Vec<A>>) {
+    match answers {
+        Ok(answers) if answers.len() == replies.len() => {
+            for (reply, answer) in replies.into_iter().zip(answers) {
+                // A caller that went away needs no answer.
+                let _ = reply.send(Ok(answer));
+            }
+        }
+        Ok(answers) => {
+            let message = format!(
+                "shared transaction answered {} of {} calls",
+                answers.len(),
+                replies.len()
+            );
+            for reply in replies {
+                let _ = reply.send(Err(StoreError::Internal(message.clone())));
+            }
+        }
+        Err(err) => {
+            for reply in replies {
+                let _ = reply.send(Err(err.clone()));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    use super::*;
+
+    /// Records each flush; a call of `13` fails any flush it is in.
+    #[derive(Default)]
+    struct Recorder {
+        flushes: Mutex<Vec<Vec<u32>>>,
+    }
+
+    impl Flush for Arc<Recorder> {
+        type Key = &'static str;
+        type Call = u32;
+        type Answer = u32;
+
+        fn weight(_: &u32) -> usize {
+            1
+        }
+
+        fn flush(&self, _key: &'static str, calls: Vec<u32>) -> FlushFuture<'_, u32> {
+            Box::pin(async move {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                self.flushes
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(calls.clone());
+                if calls.contains(&13) {
+                    return Err(StoreError::Internal("refused".into()));
+                }
+                Ok(calls.iter().map(|c| c * 10).collect())
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn concurrent_calls_share_flushes_and_get_their_own_answers() {
+        let recorder = Arc::new(Recorder::default());
+        let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), 1, 100));
+        let calls = (100..150u32).map(|i| {
+            let coalescer = Arc::clone(&coalescer);
+            tokio::spawn(async move { (i, coalescer.call("k", i).await) })
+        });
+        let answers = futures::future::join_all(calls).await;
+        for answer in answers {
+            let (i, answer) = answer.expect("joined");
+            assert_eq!(answer.expect("answered"), i * 10);
+        }
+        let flushes = recorder.flushes.lock().expect("lock").len();
+        assert!(flushes < 50, "50 calls took {flushes} flushes");
+    }
+
+    #[tokio::test]
+    async fn a_failing_call_does_not_fail_its_neighbours() {
+        let recorder = Arc::new(Recorder::default());
+        let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), 1, 100));
+        // Occupy the only slot so that the next three queue up together.
+        let blocker = {
+            let coalescer = Arc::clone(&coalescer);
+            tokio::spawn(async move { coalescer.call("k", 1).await })
+        };
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let calls = [12u32, 13, 14].map(|i| {
+            let coalescer = Arc::clone(&coalescer);
+            tokio::spawn(async move { coalescer.call("k", i).await })
+        });
+        let answers = futures::future::join_all(calls).await;
+        assert_eq!(blocker.await.expect("joined").expect("answered"), 10);
+        let answers: Vec<_> = answers
+            .into_iter()
+            .map(|a| a.expect("joined").ok())
+            .collect();
+        assert_eq!(answers, vec![Some(120), None, Some(140)]);
+        let flushes = recorder.flushes.lock().expect("lock").clone();
+        assert!(
+            flushes.contains(&vec![12, 13, 14]),
+            "the three shared a flush first: {flushes:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_batch_stops_at_its_weight() {
+        let recorder = Arc::new(Recorder::default());
+        let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), 1, 3));
+        let calls = (0..10u32).map(|i| {
+            let coalescer = Arc::clone(&coalescer);
+            tokio::spawn(async move { coalescer.call("k", i).await })
+        });
+        futures::future::join_all(calls).await;
+        let flushes = recorder.flushes.lock().expect("lock").clone();
+        assert!(flushes.iter().all(|f| f.len() <= 3), "{flushes:?}");
+        assert_eq!(flushes.iter().map(Vec::len).sum::<usize>(), 10);
+    }
+}
