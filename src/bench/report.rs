@@ -238,7 +238,7 @@ mod tests {
         ]));
         assert_eq!(
             line,
-            "intray --token '***' bench --database-url postgres://bench:***@127.0.0.1:5432/intray_bench \
+            "intray --token '***' bench --database-url 'postgres://bench:***@127.0.0.1:5432/intray_bench' \
              --note 'two words' '--token=***'"
         );
         assert!(!line.contains("s3cret") && !line.contains("pw@") && !line.contains("other"));
