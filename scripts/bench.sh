@@ -142,7 +142,7 @@ meets() {
   awk -v v="$1" -v op="$2" -v l="$3" 'BEGIN { if (v == "" || v == "-") { print "?"; exit }
     sub(/x$/, "", v); ok = (op == ">=") ? (v + 0 >= l + 0) : (v + 0 <= l + 0); print ok ? "yes" : "NO" }'
 }
-row() { printf "| %-44s | %10s | %10s | %12s | %8s | %-34s | %-4s |\n" "$@"; }
+row() { printf "| %-46s | %10s | %10s | %12s | %8s | %-34s | %-4s |\n" "$@"; }
 
 GW_DEFAULT="$(gw process_default jobs_per_s)"; GW_BATCHED="$(gw process_batched jobs_per_s)"
 GW_C16="$(gw enqueue_single_c16 jobs_per_s)"
@@ -162,13 +162,13 @@ BL_D50="$(ij postgres backlog dispatch_p50_ratio '"e2e_ratio"')"
 BL_D99="$(ij postgres backlog dispatch_p99_ratio '"e2e_ratio"')"
 BL_SIZE="$(ij postgres backlog backlog '"e2e_ratio"')"
 W_RSS="$(ij postgres watchers rss_above_idle_mib)"; W_P99="$(ij postgres watchers event_p99_ms)"
-W_DB="$(ij postgres watchers db_connections)"; W_N="$(ij postgres watchers watchers)"
+W_DB="$(ij postgres watchers db_connections)/$(ij postgres watchers db_connections_busy)"; W_N="$(ij postgres watchers watchers)"
 
 echo
 echo "## Summary ($STAMP; intray on PostgreSQL unless marked SQLite; ratios are intray PostgreSQL / reference)"
 echo "load average: start $LOAD_START, end $LOAD_END"
 row "figure" "intray" "SQLite" "reference" "ratio" "target" "met"
-row "--------------------------------------------" "----------" "----------" "------------" "--------" "----------------------------------" "----"
+row "----------------------------------------------" "----------" "----------" "------------" "--------" "----------------------------------" "----"
 r="$(ratio "$E2E" "$GW_DEFAULT")"
 row "e2e jobs/s, 1 job per RPC, vs graphile default" "$E2E" "$E2E_SQ" "$GW_DEFAULT" "$r" ">= 1.5x graphile-worker default" "$(meets "$r" ">=" 1.5)"
 r="$(ratio "$E2E" "$SQL32")"
@@ -188,7 +188,7 @@ row "backlog ${BL_SIZE:-?} vs 1000: dispatch p50 ratio" "$BL_D50" "" "" "" "<= 1
 row "backlog ${BL_SIZE:-?} vs 1000: dispatch p99 ratio" "$BL_D99" "" "" "" "<= 1.10 (within 10 %)" "$(meets "$BL_D99" "<=" 1.1)"
 row "${W_N:-?} watchers: server RSS above idle, MiB" "$W_RSS" "" "" "" "<= 100 MiB" "$(meets "$W_RSS" "<=" 100)"
 row "${W_N:-?} watchers: event delivery p99 ms" "$W_P99" "" "" "" "<= 50 ms" "$(meets "$W_P99" "<=" 50)"
-row "${W_N:-?} watchers: database connections in use" "$W_DB" "" "" "" "no connection per stream" ""
+row "${W_N:-?} watchers: DB connections open/busy" "$W_DB" "" "" "" "no connection per stream" ""
 echo "SQL ceiling (pgbench jobs/s): lifecycle c=8 $(pgb lifecycle 8 jobs/s), c=32 $SQL32;" \
      "claim_b10 c=8 $(pgb claim_b10 8 jobs/s), c=32 $(pgb claim_b10 32 jobs/s)"
 echo "commands: see the '# command:' lines above; intray reports: $OUT/intray-postgres.out, $OUT/intray-sqlite.out"

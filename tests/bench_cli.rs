@@ -170,6 +170,7 @@ fn check(reports: &[Value], backend: &str) {
     assert_eq!(number(row, "stats_succeeded"), WATCHERS as f64);
     if backend == "postgres" {
         assert!(number(row, "db_connections") >= 0.0, "{row}");
+        assert!(number(row, "db_connections_busy") >= 0.0, "{row}");
     } else {
         assert!(
             row["db_connections"].is_null() && row["db_pool"].is_string(),

@@ -24,9 +24,17 @@ fn vm_rss(status: &str) -> Option<u64> {
     }
 }
 
-/// Connections to the database of `url` other than the one asking:
-/// `pg_stat_activity` rows for `current_database()`, minus this one.
-pub async fn pg_connections(url: &str) -> Result<i64, BenchError> {
+/// Connections to a database, the one asking left out.
+#[derive(Clone, Copy, Debug)]
+pub struct PgConnections {
+    /// Every connection open to it (a pool's idle ones included).
+    pub open: i64,
+    /// Those running a statement or inside a transaction.
+    pub busy: i64,
+}
+
+/// `pg_stat_activity` rows for `current_database()` of `url`, minus this one.
+pub async fn pg_connections(url: &str) -> Result<PgConnections, BenchError> {
     let db = |what: &str| {
         let what = what.to_owned();
         move |source| BenchError::Database { what, source }
@@ -34,14 +42,18 @@ pub async fn pg_connections(url: &str) -> Result<i64, BenchError> {
     let mut conn = PgConnection::connect(url)
         .await
         .map_err(db("connect to count connections"))?;
-    let count: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()",
+    let (open, busy): (i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(*) FILTER (WHERE state IS DISTINCT FROM 'idle') \
+         FROM pg_stat_activity WHERE datname = current_database()",
     )
     .fetch_one(&mut conn)
     .await
     .map_err(db("count connections"))?;
     conn.close().await.map_err(db("close"))?;
-    Ok(count - 1)
+    Ok(PgConnections {
+        open: open - 1,
+        busy: busy - 1,
+    })
 }
 
 #[cfg(test)]

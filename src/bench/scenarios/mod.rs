@@ -341,7 +341,11 @@ pub async fn run(
                     .mib("rss_idle_mib", watched.rss_idle)
                     .mib("rss_watching_mib", watched.rss_watching)
                     .mib("rss_above_idle_mib", above)
-                    .field("db_connections", watched.db_connections)
+                    .field("db_connections", watched.db_connections.map(|c| c.open))
+                    .field(
+                        "db_connections_busy",
+                        watched.db_connections.map(|c| c.busy),
+                    )
                     .field("db_pool", pool)
                     .field("stats_succeeded", succeeded(&ctx.conn, &queue).await?),
             )?;

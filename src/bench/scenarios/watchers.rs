@@ -32,7 +32,7 @@ pub struct Watched {
     /// Server RSS with every stream open.
     pub rss_watching: Option<u64>,
     /// Database connections in use with every stream open (PostgreSQL).
-    pub db_connections: Option<i64>,
+    pub db_connections: Option<probe::PgConnections>,
     /// Per job: Complete call start to its watcher receiving the terminal event.
     pub latencies: Vec<Duration>,
 }
