@@ -2,6 +2,7 @@
 
 pub mod api;
 pub mod auth;
+pub mod bench;
 pub mod cli;
 pub mod client;
 pub mod config;

@@ -27,6 +27,13 @@ enum Command {
     Serve(Box<ServeArgs>),
     /// Apply the database migrations and exit.
     Migrate(DatabaseArgs),
+    /// Measure a server: submit, e2e, e2e-batched, burn-down, dispatch, backlog, watchers.
+    ///
+    /// Against --addr, or a server it starts itself with --spawn (which
+    /// DROPS and recreates the database first). Prints a table row and one
+    /// JSON line per result, with the command line that produced it.
+    // Boxed like serve: many flags.
+    Bench(Box<intray::bench::BenchArgs>),
     #[command(flatten)]
     Client(ClientCommand),
 }
@@ -50,6 +57,13 @@ async fn main() -> ExitCode {
                 }
             }
         }
+        Command::Bench(args) => match intray::bench::run(cli.client, *args).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(err) => {
+                eprintln!("error: {err}");
+                ExitCode::from(err.exit_code())
+            }
+        },
         Command::Client(cmd) => match intray::client::run(cli.client, cmd).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(err) => {

@@ -188,7 +188,7 @@ impl Session {
 /// The server's endpoint from `--addr`, with TLS for an `https://` address
 /// (trusting `--tls-ca`, presenting `--client-cert` when given); the
 /// address as typed, for error messages.
-pub(super) fn endpoint(opts: &ClientOpts) -> Result<(String, Endpoint), ClientError> {
+pub(crate) fn endpoint(opts: &ClientOpts) -> Result<(String, Endpoint), ClientError> {
     let addr = normalize_addr(&opts.addr);
     let endpoint = Endpoint::from_shared(addr.clone())
         .map_err(|e| ClientError::BadArgument(format!("invalid --addr {addr:?}: {e}")))?;
@@ -226,7 +226,9 @@ fn read_pem(path: &Path, flag: &str) -> Result<Vec<u8>, ClientError> {
 /// `authorization: Bearer TOKEN`, marked sensitive; none for no token or an
 /// empty one (an `INTRAY_TOKEN=` left in the environment). The token itself
 /// never appears in an error.
-fn authorization(token: Option<&str>) -> Result<Option<AsciiMetadataValue>, ClientError> {
+pub(crate) fn authorization(
+    token: Option<&str>,
+) -> Result<Option<AsciiMetadataValue>, ClientError> {
     let Some(token) = token.map(str::trim).filter(|t| !t.is_empty()) else {
         return Ok(None);
     };
@@ -255,7 +257,9 @@ fn normalize_addr(addr: &str) -> String {
 
 /// An empty tenant (an `INTRAY_TENANT=` left in the environment) means none,
 /// so the server applies its default rather than rejecting "".
-fn tenant_metadata(tenant: Option<&str>) -> Result<Option<AsciiMetadataValue>, ClientError> {
+pub(crate) fn tenant_metadata(
+    tenant: Option<&str>,
+) -> Result<Option<AsciiMetadataValue>, ClientError> {
     match tenant.map(str::trim).filter(|t| !t.is_empty()) {
         None => Ok(None),
         Some(t) => {

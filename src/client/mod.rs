@@ -59,5 +59,7 @@ pub use args::{
     StatsArgs, SubmitArgs, WatchArgs,
 };
 pub use commands::{TENANT_METADATA, run};
+// The connection of `intray bench`: the same address, TLS, tenant and token handling.
+pub(crate) use commands::{authorization, endpoint, tenant_metadata};
 pub use error::ClientError;
 pub use work::WorkArgs;

@@ -1,0 +1,355 @@
+//! The scenarios: each runs its load against the server, with a warm-up
+//! first, and turns what the client saw into reports.
+
+mod backlog;
+mod dispatch;
+mod load;
+mod pipeline;
+mod submit;
+mod watchers;
+
+use std::time::Duration;
+
+use clap::ValueEnum;
+use serde_json::Value;
+
+use self::dispatch::Dispatch;
+use self::load::{prefill, progress, succeeded};
+use self::pipeline::Pipeline;
+use super::conn::Conn;
+use super::error::BenchError;
+use super::report::Report;
+use super::spawn::Backend;
+use super::stats::{millis, rate, summarize};
+
+/// A benchmark scenario; they run in this order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, ValueEnum)]
+pub enum Scenario {
+    /// Unary Submit from 1, 16 and 32 concurrent producers.
+    Submit,
+    /// Producers with unary Submit, workers with Lease(max_jobs 1) and Complete.
+    E2e,
+    /// SubmitBatch, Lease(max_jobs up to 100) and CompleteBatch.
+    E2eBatched,
+    /// A pre-submitted backlog drained with Lease(100) and CompleteBatch.
+    BurnDown,
+    /// Submit to an idle, parked worker, one job at a time.
+    Dispatch,
+    /// e2e and dispatch with a small and a large backlog in the queue.
+    Backlog,
+    /// Thousands of WatchJob streams: memory, connections, event latency.
+    Watchers,
+}
+
+/// How much load each scenario sends.
+#[derive(Clone, Debug)]
+pub struct Sizes {
+    /// Concurrent producers of the submit scenario, one row each.
+    pub submit_producers: Vec<usize>,
+    /// Measured jobs per submit row.
+    pub submit_jobs: u64,
+    /// Producers of e2e, e2e-batched and backlog.
+    pub producers: usize,
+    /// Workers of e2e, e2e-batched, burn-down, backlog and watchers.
+    pub workers: usize,
+    /// Measured jobs of e2e.
+    pub e2e_jobs: u64,
+    /// Measured jobs of e2e-batched.
+    pub batched_jobs: u64,
+    /// Jobs per SubmitBatch, and Lease max_jobs (at most 100), of the batched scenarios.
+    pub batch: usize,
+    /// Jobs pre-submitted and drained by burn-down.
+    pub burn_down_jobs: u64,
+    /// Measured jobs of dispatch (and of each backlog size).
+    pub dispatch_samples: u64,
+    /// Pause between dispatch jobs.
+    pub dispatch_spacing: Duration,
+    /// The large backlog (the small one is 1,000).
+    pub backlog_size: u64,
+    /// Measured e2e jobs at each backlog size.
+    pub backlog_jobs: u64,
+    /// Concurrent WatchJob streams.
+    pub watchers: u64,
+    /// Streams per HTTP/2 connection.
+    pub watchers_per_channel: usize,
+    /// Jobs (or dispatch samples, at most 100) run first and not measured.
+    pub warmup: u64,
+}
+
+/// The small backlog size the large one is compared with.
+pub const SMALL_BACKLOG: u64 = 1000;
+/// Most jobs one Lease may ask for.
+const MAX_LEASE: usize = 100;
+
+/// What the scenarios need to know about the run.
+pub struct Ctx {
+    /// Connections to the server.
+    pub conn: Conn,
+    /// Load sizes.
+    pub sizes: Sizes,
+    /// Makes this run's queue names unique, so runs against one server do not mix.
+    pub run_id: String,
+    /// The server's process, for its memory.
+    pub server_pid: Option<u32>,
+    /// Its database, when known.
+    pub database_url: Option<String>,
+}
+
+impl Ctx {
+    fn queue(&self, scenario: &str) -> String {
+        format!("bench-{scenario}-{}", self.run_id)
+    }
+
+    fn backend(&self) -> Option<Backend> {
+        self.database_url.as_deref().and_then(Backend::of)
+    }
+
+    fn dispatch_warmup(&self) -> u64 {
+        self.sizes.warmup.min(100)
+    }
+
+    fn pipeline(&self, queue: String, batched: bool) -> Pipeline {
+        let batch = self.sizes.batch.clamp(1, load::MAX_BATCH);
+        Pipeline {
+            queue,
+            producers: self.sizes.producers,
+            workers: self.sizes.workers,
+            submit_batch: if batched { batch } else { 1 },
+            lease_max: if batched {
+                batch.min(MAX_LEASE) as u32
+            } else {
+                1
+            },
+            priority: 0,
+        }
+    }
+}
+
+fn opt(value: Option<f64>) -> Value {
+    value.map_or(Value::Null, |v| ((v * 1000.0).round() / 1000.0).into())
+}
+
+/// Runs `scenario`, handing each report to `emit` as soon as it is ready.
+pub async fn run(
+    scenario: Scenario,
+    ctx: &Ctx,
+    emit: &mut dyn FnMut(Report) -> Result<(), BenchError>,
+) -> Result<(), BenchError> {
+    let s = &ctx.sizes;
+    match scenario {
+        Scenario::Submit => {
+            let queue = ctx.queue("submit");
+            for &producers in &s.submit_producers {
+                progress(&format!(
+                    "submit: {producers} producers, {} jobs",
+                    s.submit_jobs
+                ));
+                if s.warmup > 0 {
+                    submit::run(&ctx.conn, &queue, producers, s.warmup).await?;
+                }
+                let run = submit::run(&ctx.conn, &queue, producers, s.submit_jobs).await?;
+                emit(
+                    Report::new("submit")
+                        .field("producers", producers)
+                        .field("jobs", s.submit_jobs)
+                        .rate("jobs_per_s", rate(s.submit_jobs, run.elapsed))
+                        .latency("latency", summarize(run.latencies))
+                        .field("warmup_jobs", s.warmup),
+                )?;
+            }
+        }
+        Scenario::E2e | Scenario::E2eBatched => {
+            let batched = scenario == Scenario::E2eBatched;
+            let (name, jobs) = if batched {
+                ("e2e-batched", s.batched_jobs)
+            } else {
+                ("e2e", s.e2e_jobs)
+            };
+            let queue = ctx.queue(name);
+            let pipeline = ctx.pipeline(queue.clone(), batched);
+            progress(&format!(
+                "{name}: {} producers, {} workers, {jobs} jobs",
+                pipeline.producers, pipeline.workers
+            ));
+            if s.warmup > 0 {
+                pipeline.run(&ctx.conn, s.warmup).await?;
+            }
+            let run = pipeline.run(&ctx.conn, jobs).await?;
+            emit(
+                Report::new(if batched { "e2e-batched" } else { "e2e" })
+                    .field("producers", pipeline.producers)
+                    .field("workers", pipeline.workers)
+                    .field("jobs", jobs)
+                    .field("submit_batch", pipeline.submit_batch)
+                    .field("lease_max_jobs", pipeline.lease_max)
+                    .rate("jobs_per_s", rate(run.completed, run.elapsed))
+                    .latency("queue", summarize(run.queue_times))
+                    .field("completed", run.completed)
+                    .field("stats_succeeded", succeeded(&ctx.conn, &queue).await?)
+                    .field("warmup_jobs", s.warmup),
+            )?;
+        }
+        Scenario::BurnDown => {
+            let queue = ctx.queue("burn-down");
+            let pipeline = ctx.pipeline(queue.clone(), true);
+            if s.warmup > 0 {
+                prefill(&ctx.conn, &queue, s.warmup, 0, None).await?;
+                pipeline.drain(&ctx.conn, s.warmup).await?;
+            }
+            progress(&format!(
+                "burn-down: pre-submitting {} jobs",
+                s.burn_down_jobs
+            ));
+            prefill(&ctx.conn, &queue, s.burn_down_jobs, 0, None).await?;
+            progress(&format!(
+                "burn-down: draining with {} workers",
+                pipeline.workers
+            ));
+            let run = pipeline.drain(&ctx.conn, s.burn_down_jobs).await?;
+            emit(
+                Report::new("burn-down")
+                    .field("workers", pipeline.workers)
+                    .field("jobs", s.burn_down_jobs)
+                    .field("lease_max_jobs", pipeline.lease_max)
+                    .rate("jobs_per_s", rate(run.completed, run.elapsed))
+                    .field("completed", run.completed)
+                    .field("stats_succeeded", succeeded(&ctx.conn, &queue).await?)
+                    .field("warmup_jobs", s.warmup),
+            )?;
+        }
+        Scenario::Dispatch => {
+            let probe = Dispatch {
+                queue: ctx.queue("dispatch"),
+                samples: s.dispatch_samples,
+                warmup: ctx.dispatch_warmup(),
+                spacing: s.dispatch_spacing,
+                priority: 0,
+            };
+            progress(&format!(
+                "dispatch: {} jobs to an idle worker",
+                probe.samples
+            ));
+            let latencies = probe.run(&ctx.conn).await?;
+            emit(
+                Report::new("dispatch")
+                    .field("samples", latencies.len())
+                    .field("spacing_ms", millis(probe.spacing))
+                    .latency("dispatch", summarize(latencies))
+                    .field("stats_succeeded", succeeded(&ctx.conn, &probe.queue).await?)
+                    .field("warmup_jobs", probe.warmup),
+            )?;
+        }
+        Scenario::Backlog => {
+            let queue = ctx.queue("backlog");
+            let pipeline = ctx.pipeline(queue.clone(), false);
+            let plan = backlog::Plan {
+                pipeline,
+                e2e_jobs: s.backlog_jobs,
+                warmup: s.warmup,
+                dispatch: Dispatch {
+                    queue: queue.clone(),
+                    samples: s.dispatch_samples,
+                    warmup: ctx.dispatch_warmup(),
+                    spacing: s.dispatch_spacing,
+                    priority: 0,
+                },
+            };
+            let sizes = [SMALL_BACKLOG, s.backlog_size.max(SMALL_BACKLOG)];
+            let mut first: Option<backlog::AtSize> = None;
+            let mut reports = Vec::new();
+            backlog::run(&ctx.conn, &plan, &sizes, |at| {
+                let mut report = Report::new("backlog")
+                    .field("backlog", at.backlog)
+                    .field("producers", plan.pipeline.producers)
+                    .field("workers", plan.pipeline.workers)
+                    .field("e2e_jobs", plan.e2e_jobs)
+                    .rate("e2e_jobs_per_s", at.e2e_jobs_per_s)
+                    .latency("queue", at.queue)
+                    .latency("dispatch", at.dispatch)
+                    .field("dispatch_samples", plan.dispatch.samples);
+                if let Some(small) = &first {
+                    report = report
+                        .field("vs_backlog", small.backlog)
+                        .field(
+                            "e2e_ratio",
+                            opt(backlog::ratio(at.e2e_jobs_per_s, small.e2e_jobs_per_s)),
+                        )
+                        .field(
+                            "dispatch_p50_ratio",
+                            opt(backlog::latency_ratio(
+                                at.dispatch.map(|d| d.p50),
+                                small.dispatch.map(|d| d.p50),
+                            )),
+                        )
+                        .field(
+                            "dispatch_p99_ratio",
+                            opt(backlog::latency_ratio(
+                                at.dispatch.map(|d| d.p99),
+                                small.dispatch.map(|d| d.p99),
+                            )),
+                        );
+                } else {
+                    first = Some(at);
+                }
+                reports.push(report.field("arrangement", backlog::ARRANGEMENT));
+                Ok(())
+            })
+            .await?;
+            // Both runs' e2e and dispatch jobs, warm-ups included, ended SUCCEEDED.
+            let done = succeeded(&ctx.conn, &queue).await?;
+            for report in reports {
+                emit(
+                    report
+                        .field("stats_succeeded", done)
+                        .field("warmup_jobs", s.warmup),
+                )?;
+            }
+        }
+        Scenario::Watchers => {
+            let queue = ctx.queue("watchers");
+            let pg_url = match ctx.backend() {
+                Some(Backend::Postgres) => ctx.database_url.as_deref(),
+                _ => None,
+            };
+            progress(&format!("watchers: {} streams", s.watchers));
+            let watched = watchers::run(
+                &ctx.conn,
+                &queue,
+                s.watchers,
+                s.watchers_per_channel,
+                s.workers,
+                watchers::Probes {
+                    server_pid: ctx.server_pid,
+                    pg_url,
+                },
+            )
+            .await?;
+            let above = watched
+                .rss_watching
+                .zip(watched.rss_idle)
+                .map(|(w, i)| w.saturating_sub(i));
+            let pool = match ctx.backend() {
+                Some(Backend::Sqlite) => Value::from("sqlite: 1 writer + 4 readers"),
+                Some(Backend::Postgres) => Value::from("postgres: serve --max-connections"),
+                None => Value::Null,
+            };
+            emit(
+                Report::new("watchers")
+                    .field("watchers", watched.streams)
+                    .field("channels", watched.channels)
+                    .latency("event", summarize(watched.latencies))
+                    .mib("rss_idle_mib", watched.rss_idle)
+                    .mib("rss_watching_mib", watched.rss_watching)
+                    .mib("rss_above_idle_mib", above)
+                    .field("db_connections", watched.db_connections.map(|c| c.open))
+                    .field(
+                        "db_connections_busy",
+                        watched.db_connections.map(|c| c.busy),
+                    )
+                    .field("db_pool", pool)
+                    .field("stats_succeeded", succeeded(&ctx.conn, &queue).await?),
+            )?;
+        }
+    }
+    Ok(())
+}

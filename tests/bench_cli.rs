@@ -1,0 +1,214 @@
+//! `intray bench --spawn` (the built binary) with tiny sizes on SQLite and on
+//! a fresh PostgreSQL database: every scenario prints parseable JSON lines
+//! with its keys, and the server's Stats count every job as succeeded.
+//! Shape and counts only: nothing here depends on how fast anything is.
+
+mod common;
+
+use std::path::Path;
+
+use serde_json::Value;
+use sqlx::Connection;
+
+/// Warm-up jobs per scenario (dispatch samples too, below 100).
+const WARMUP: u64 = 3;
+const E2E_JOBS: u64 = 30;
+const BATCHED_JOBS: u64 = 120;
+const BURN_DOWN_JOBS: u64 = 150;
+const SAMPLES: u64 = 5;
+const BACKLOG: u64 = 1500;
+const BACKLOG_JOBS: u64 = 20;
+const WATCHERS: u64 = 25;
+
+async fn bench(database_url: &str, log: &Path) -> Vec<Value> {
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_intray"))
+        .args(["bench", "--json", "--spawn", "--database-url", database_url])
+        .args(["--server-log", &log.display().to_string()])
+        .args(["--submit-producers", "1,2", "--submit-jobs", "20"])
+        .args(["--producers", "2", "--workers", "2"])
+        .args(["--e2e-jobs", &E2E_JOBS.to_string()])
+        .args(["--batched-jobs", &BATCHED_JOBS.to_string(), "--batch", "50"])
+        .args(["--burn-down-jobs", &BURN_DOWN_JOBS.to_string()])
+        .args(["--dispatch-samples", &SAMPLES.to_string()])
+        .args(["--dispatch-spacing", "1ms"])
+        .args(["--backlog-size", &BACKLOG.to_string()])
+        .args(["--backlog-jobs", &BACKLOG_JOBS.to_string()])
+        .args([
+            "--watchers",
+            &WATCHERS.to_string(),
+            "--watchers-per-channel",
+            "10",
+        ])
+        .args(["--warmup", &WARMUP.to_string()])
+        .output()
+        .await
+        .expect("run intray bench");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "intray bench failed: {}\nstdout:\n{stdout}\nstderr:\n{}\nserver log:\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr),
+        std::fs::read_to_string(log).unwrap_or_default()
+    );
+    stdout
+        .lines()
+        .map(|line| {
+            serde_json::from_str(line)
+                .unwrap_or_else(|e| panic!("--json prints only JSON lines: {e}: {line:?}"))
+        })
+        .collect()
+}
+
+fn lines<'a>(reports: &'a [Value], scenario: &str) -> Vec<&'a Value> {
+    reports
+        .iter()
+        .filter(|r| r["scenario"] == scenario)
+        .collect()
+}
+
+fn number(report: &Value, key: &str) -> f64 {
+    report[key]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{key} is a number in {report}"))
+}
+
+fn check(reports: &[Value], backend: &str) {
+    for report in reports {
+        assert_eq!(report["backend"], backend, "{report}");
+        assert_eq!(report["target"], "spawned", "{report}");
+        let command = report["command"].as_str().expect("command");
+        assert!(
+            command.contains("bench") && command.contains("--spawn"),
+            "{command}"
+        );
+    }
+
+    let submit = lines(reports, "submit");
+    assert_eq!(submit.len(), 2, "one submit row per producer count");
+    for (row, producers) in submit.iter().zip([1.0, 2.0]) {
+        assert_eq!(number(row, "producers"), producers);
+        assert_eq!(number(row, "jobs"), 20.0);
+        for key in [
+            "jobs_per_s",
+            "latency_p50_ms",
+            "latency_p99_ms",
+            "latency_max_ms",
+        ] {
+            assert!(number(row, key) > 0.0, "{key} in {row}");
+        }
+    }
+
+    for (scenario, jobs) in [("e2e", E2E_JOBS), ("e2e-batched", BATCHED_JOBS)] {
+        let rows = lines(reports, scenario);
+        assert_eq!(rows.len(), 1, "{scenario}");
+        let row = rows[0];
+        assert!(number(row, "jobs_per_s") > 0.0, "{row}");
+        for key in ["queue_p50_ms", "queue_p99_ms", "queue_max_ms"] {
+            assert!(number(row, key) >= 0.0, "{key} in {row}");
+        }
+        assert_eq!(number(row, "completed"), jobs as f64, "{row}");
+        assert_eq!(
+            number(row, "stats_succeeded"),
+            (jobs + WARMUP) as f64,
+            "{row}"
+        );
+    }
+    assert_eq!(
+        number(lines(reports, "e2e-batched")[0], "lease_max_jobs"),
+        50.0
+    );
+
+    let burn = lines(reports, "burn-down");
+    assert_eq!(burn.len(), 1);
+    assert!(number(burn[0], "jobs_per_s") > 0.0);
+    assert_eq!(number(burn[0], "completed"), BURN_DOWN_JOBS as f64);
+    assert_eq!(
+        number(burn[0], "stats_succeeded"),
+        (BURN_DOWN_JOBS + WARMUP) as f64
+    );
+
+    let dispatch = lines(reports, "dispatch");
+    assert_eq!(dispatch.len(), 1);
+    assert_eq!(number(dispatch[0], "samples"), SAMPLES as f64);
+    for key in ["dispatch_p50_ms", "dispatch_p99_ms", "dispatch_max_ms"] {
+        assert!(number(dispatch[0], key) > 0.0, "{key}");
+    }
+    assert_eq!(
+        number(dispatch[0], "stats_succeeded"),
+        (SAMPLES + WARMUP) as f64
+    );
+
+    let backlog = lines(reports, "backlog");
+    assert_eq!(backlog.len(), 2, "one row per backlog size");
+    assert_eq!(number(backlog[0], "backlog"), 1000.0);
+    assert_eq!(number(backlog[1], "backlog"), BACKLOG as f64);
+    for row in &backlog {
+        assert!(number(row, "e2e_jobs_per_s") > 0.0, "{row}");
+        assert!(number(row, "dispatch_p99_ms") > 0.0, "{row}");
+        assert!(row["arrangement"].is_string(), "{row}");
+        // Both sizes' e2e and dispatch jobs, warm-ups included; the backlog
+        // itself is never claimed.
+        let per_size = BACKLOG_JOBS + WARMUP + SAMPLES + WARMUP;
+        assert_eq!(
+            number(row, "stats_succeeded"),
+            (2 * per_size) as f64,
+            "{row}"
+        );
+    }
+    for key in ["e2e_ratio", "dispatch_p50_ratio", "dispatch_p99_ratio"] {
+        assert!(number(backlog[1], key) > 0.0, "{key}");
+    }
+
+    let watchers = lines(reports, "watchers");
+    assert_eq!(watchers.len(), 1);
+    let row = watchers[0];
+    assert_eq!(number(row, "watchers"), WATCHERS as f64);
+    assert_eq!(number(row, "channels"), 3.0);
+    assert!(number(row, "event_p99_ms") >= 0.0);
+    assert!(number(row, "rss_idle_mib") > 0.0 && number(row, "rss_above_idle_mib") >= 0.0);
+    assert_eq!(number(row, "stats_succeeded"), WATCHERS as f64);
+    if backend == "postgres" {
+        assert!(number(row, "db_connections") >= 0.0, "{row}");
+        assert!(number(row, "db_connections_busy") >= 0.0, "{row}");
+    } else {
+        assert!(
+            row["db_connections"].is_null() && row["db_pool"].is_string(),
+            "{row}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn bench_on_sqlite() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let url = format!("sqlite://{}", dir.path().join("bench.db").display());
+    let reports = bench(&url, &dir.path().join("server.log")).await;
+    check(&reports, "sqlite");
+}
+
+#[tokio::test]
+async fn bench_on_a_fresh_postgres_database() {
+    let admin =
+        std::env::var("INTRAY_TEST_PG_URL").unwrap_or_else(|_| common::DEFAULT_PG_URL.into());
+    let name = format!("intray_test_bench_{:08x}", rand::random::<u32>());
+    let (path, query) = admin.split_once('?').unwrap_or((&admin, ""));
+    let (base, _) = path.rsplit_once('/').expect("a database URL with a path");
+    let url = match query {
+        "" => format!("{base}/{name}"),
+        query => format!("{base}/{name}?{query}"),
+    };
+    let dir = tempfile::tempdir().expect("temporary directory");
+    // The bench creates the database itself (dropping it first).
+    let reports = bench(&url, &dir.path().join("server.log")).await;
+    let mut conn = sqlx::PgConnection::connect(&admin)
+        .await
+        .expect("connect to drop the bench database");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+    )))
+    .execute(&mut conn)
+    .await
+    .expect("drop the bench database");
+    check(&reports, "postgres");
+}
