@@ -152,7 +152,15 @@ async fn run_group<F: Flush>(flush: &F, key: F::Key, group: Vec<Pending<F>>) {
     }
     // Kept for the one-by-one rerun; cheap beside a commit.
     let spare = calls.clone();
-    match flush.flush(key.clone(), calls).await {
+    let started = std::time::Instant::now();
+    let result = flush.flush(key.clone(), calls).await;
+    tracing::trace!(
+        kind = std::any::type_name::<F>(),
+        calls = spare.len(),
+        micros = started.elapsed().as_micros() as u64,
+        "shared transaction"
+    );
+    match result {
         Ok(answers) => answer_all(replies, Ok(answers)),
         Err(err @ StoreError::Unavailable(_)) => answer_all(replies, Err(err)),
         Err(err) => {
