@@ -80,6 +80,8 @@ loadavg() { cut -d' ' -f1-3 /proc/loadavg; }
 
 mkdir -p "$OUT"
 exec > >(tee -a "$LOG") 2>&1
+# Also when a part fails: the log is where to look.
+trap 'echo "raw log: $LOG"' EXIT
 LOAD_START="$(loadavg)"
 echo "# bench.sh $STAMP on $(nproc) cores; load average at start: $LOAD_START; busy: $(busy)"
 echo "# intray $(git -C "$ROOT" describe --always --dirty 2>/dev/null || echo unknown); PostgreSQL: ${DATABASE_URL%%@*}@... "
@@ -192,4 +194,3 @@ row "${W_N:-?} watchers: DB connections open/busy" "$W_DB" "" "" "" "no connecti
 echo "SQL ceiling (pgbench jobs/s): lifecycle c=8 $(pgb lifecycle 8 jobs/s), c=32 $SQL32;" \
      "claim_b10 c=8 $(pgb claim_b10 8 jobs/s), c=32 $(pgb claim_b10 32 jobs/s)"
 echo "commands: see the '# command:' lines above; intray reports: $OUT/intray-postgres.out, $OUT/intray-sqlite.out"
-echo "raw log: $LOG"

@@ -125,7 +125,8 @@ pub struct BenchArgs {
     #[arg(long, value_name = "DURATION", default_value = "5ms", value_parser = duration)]
     pub dispatch_spacing: Duration,
 
-    /// The large backlog of the backlog scenario (compared with 1,000).
+    /// The large backlog of the backlog scenario (compared with 1,000). An
+    /// --addr server's --queue-bound must allow it; --spawn raises the bound.
     #[arg(long, value_name = "N", default_value_t = 1_000_000)]
     pub backlog_size: u64,
 
