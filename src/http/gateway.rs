@@ -79,7 +79,7 @@ impl Gateway {
     /// The request the service sees for `message` sent with `headers`, or
     /// why the caller may not make it (`UNAUTHENTICATED`,
     /// `PERMISSION_DENIED`, `RESOURCE_EXHAUSTED` when over its rate).
-    pub fn request<T>(
+    fn request<T>(
         &self,
         method: Method,
         headers: &HeaderMap,

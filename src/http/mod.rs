@@ -20,11 +20,10 @@ mod error;
 mod gateway;
 mod jobs;
 mod listener;
-pub mod openapi;
+mod openapi;
 mod query;
 mod sse;
 
-pub use error::{HttpError, code_name, status_for};
 pub use gateway::Gateway;
 pub use listener::serve;
 

@@ -1,8 +1,9 @@
 //! `GET /api/v1/openapi.json`: the OpenAPI 3 document of the JSON API.
 //!
-//! The operations are [`OPERATIONS`], the list the router's test walks; the
-//! schemas are generated from the proto descriptors the server is built
-//! from, in the proto3 JSON mapping, so they cannot drift from the messages.
+//! The operations are [`OPERATIONS`]; `tests/http_api.rs` calls every one
+//! of them and checks the router serves it. The schemas are generated from
+//! the proto descriptors the server is built from, in the proto3 JSON
+//! mapping, so they cannot drift from the messages.
 
 use std::collections::BTreeMap;
 
