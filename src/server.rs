@@ -113,9 +113,14 @@ pub async fn run_with(
         settings.slow_attempt,
     ));
     let metrics_refresh = settings.metrics_refresh;
-    let rpc_timeout = settings.rpc_timeout;
-    // One bucket per caller for both ports.
+    // One bucket per caller and one concurrency limit for both ports.
     let limiter = settings.rate_limit.map(|l| Arc::new(RateLimiter::new(l)));
+    let call_limit = CallLimitLayer::new(settings.rpc_timeout, settings.concurrency_limit);
+    let http_limits = crate::http::Limits {
+        rate: limiter.clone(),
+        slots: call_limit.slots(),
+        timeout: settings.rpc_timeout,
+    };
     // Outermost: refused and timed-out calls are traced and counted too.
     let layers = tower::ServiceBuilder::new()
         .layer(RpcLayer::new(
@@ -123,11 +128,8 @@ pub async fn run_with(
             Arc::clone(&metrics),
         ))
         .layer(AuthLayer::new(Arc::clone(&tokens)))
-        .layer(RateLimitLayer::new(limiter.clone()))
-        .layer(CallLimitLayer::new(
-            settings.rpc_timeout,
-            settings.concurrency_limit,
-        ))
+        .layer(RateLimitLayer::new(limiter))
+        .layer(call_limit)
         .layer(DecodeErrorsLayer);
     let keepalive = (
         settings.http2_keepalive_interval,
@@ -182,8 +184,12 @@ pub async fn run_with(
         stop.clone(),
     ));
     let http_task = http.map(|listener| {
-        let gateway =
-            crate::http::Gateway::new(jobs_api, Arc::clone(&tokens), limiter, rpc_timeout);
+        let gateway = crate::http::Gateway::new(
+            jobs_api,
+            Arc::clone(&tokens),
+            http_limits,
+            Arc::clone(&metrics),
+        );
         let app = crate::http::router(Arc::new(gateway), metrics);
         tokio::spawn(crate::http::serve(listener, app, tls.clone(), stop.clone()))
     });

@@ -27,6 +27,7 @@ backend_tests!(
     event_stream_resumes_after_last_event_id,
     authentication_and_roles,
     rate_limit_and_queue_bound_are_429_with_retry_after,
+    submit_batch_answers_each_item,
     openapi_lists_every_route_the_router_serves,
     dashboard_and_metrics_are_served,
 );
@@ -233,6 +234,47 @@ async fn submit_poll_and_idempotency(backend: Backend) {
     http.get("/api/v1/jobs/00000000-0000-4000-8000-000000000000")
         .await
         .expect_error(404, "NOT_FOUND");
+
+    // The caller's trace context goes with the job to its worker.
+    let trace = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    http.clone()
+        .with("traceparent", trace)
+        .post("/api/v1/jobs", job_body("traced", "k", json!({})))
+        .await;
+    let mut workers = server.workers_client("default");
+    let leased = lease_one(&mut workers, "w", "traced").await;
+    assert!(
+        leased
+            .traceparent
+            .contains("4bf92f3577b34da6a3ce929d0e0e4736"),
+        "{}",
+        leased.traceparent
+    );
+    server.stop().await;
+}
+
+async fn submit_batch_answers_each_item(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let http = Http::new(&server);
+    let reply = http
+        .post(
+            "/api/v1/jobs:batch",
+            json!({"jobs": [job_body("b", "k", json!({"i": 1})), job_body("", "k", json!({}))]}),
+        )
+        .await;
+    assert_eq!(reply.status, 200);
+    let results = reply.json()["results"].clone();
+    assert_eq!(
+        results[0]["ok"]["job"]["state"], "JOB_STATE_QUEUED",
+        "{results}"
+    );
+    assert_eq!(results[1]["error"]["field"], "jobs[1].queue", "{results}");
+    assert_eq!(results[1]["error"]["code"], 3, "INVALID_ARGUMENT");
+    let listed = http.get("/api/v1/jobs?queue=b").await.json();
+    assert_eq!(listed["jobs"].as_array().map(Vec::len), Some(1));
+    http.post("/api/v1/jobs:batch", json!({"jobs": []}))
+        .await
+        .expect_error(400, "INVALID_ARGUMENT");
     server.stop().await;
 }
 
@@ -787,6 +829,7 @@ async fn openapi_lists_every_route_the_router_serves(backend: Backend) {
         "POST /api/v1/jobs/{id}:cancel",
         "GET /api/v1/jobs/{id}/events",
         "POST /api/v1/jobs:retry",
+        "POST /api/v1/jobs:batch",
         "GET /api/v1/stats",
         "POST /api/v1/queues/{queue}:pause",
         "POST /api/v1/queues/{queue}:resume",
@@ -828,8 +871,19 @@ async fn dashboard_and_metrics_are_served(backend: Backend) {
         assert_eq!(reply.status, 200, "{asset}");
         assert!(!reply.body.is_empty(), "{asset}");
     }
+    // API calls are counted under their gRPC method, refusals too.
+    submit_http(&http, "m", "k").await;
+    http.get("/api/v1/jobs/00000000-0000-4000-8000-000000000000")
+        .await
+        .expect_error(404, "NOT_FOUND");
     let metrics = http.get("/metrics").await;
     assert_eq!(metrics.status, 200);
-    assert!(String::from_utf8_lossy(&metrics.body).contains("intray_"));
+    let text = String::from_utf8_lossy(&metrics.body);
+    for line in [
+        r#"intray_rpc_responses_total{method="/intray.v1.JobService/Submit",code="OK"} 1"#,
+        r#"intray_rpc_responses_total{method="/intray.v1.JobService/Get",code="NOT_FOUND"} 1"#,
+    ] {
+        assert!(text.lines().any(|l| l == line), "no {line} in\n{text}");
+    }
     server.stop().await;
 }

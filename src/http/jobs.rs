@@ -71,6 +71,25 @@ pub async fn submit(
     Ok(response)
 }
 
+/// `POST /api/v1/jobs:batch` with a `SubmitBatchRequest`: `200` with one
+/// result per item, each accepted or refused on its own as by `Submit`.
+pub async fn submit_batch(
+    State(gateway): Shared,
+    headers: HeaderMap,
+    raw: Body,
+) -> Result<Response, HttpError> {
+    let request: pb::SubmitBatchRequest = body::parse(&body::bytes(raw)?)?;
+    let answer = gateway
+        .call(
+            Method::SubmitBatch,
+            &headers,
+            request,
+            |jobs, r| async move { jobs.submit_batch(r).await },
+        )
+        .await?;
+    Ok(json(StatusCode::OK, &answer))
+}
+
 /// `GET /api/v1/jobs/{id}`.
 pub async fn get(
     State(gateway): Shared,

@@ -24,7 +24,7 @@ mod openapi;
 mod query;
 mod sse;
 
-pub use gateway::Gateway;
+pub use gateway::{Gateway, Limits};
 pub use listener::serve;
 
 use std::sync::Arc;
@@ -48,6 +48,7 @@ pub fn router(gateway: Arc<Gateway>, metrics: Arc<Metrics>) -> Router {
     let api = Router::new()
         .route("/api/v1/jobs", post(jobs::submit).get(jobs::list))
         .route("/api/v1/jobs:retry", post(jobs::retry))
+        .route("/api/v1/jobs:batch", post(jobs::submit_batch))
         .route("/api/v1/jobs/{id}", get(jobs::get).post(jobs::post_on_job))
         .route("/api/v1/jobs/{id}/events", get(sse::events))
         .route("/api/v1/stats", get(jobs::stats))

@@ -46,6 +46,15 @@ pub const OPERATIONS: &[Operation] = &[
         query: &[],
     },
     Operation {
+        method: "post",
+        path: "/api/v1/jobs:batch",
+        rpc: "SubmitBatch",
+        summary: "Submit 1..=1000 jobs; each item is accepted or refused on its own (with its code, message and field), the accepted ones commit together.",
+        body: Some("SubmitBatchRequest"),
+        response: Some("SubmitBatchResponse"),
+        query: &[],
+    },
+    Operation {
         method: "get",
         path: "/api/v1/jobs",
         rpc: "List",
