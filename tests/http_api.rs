@@ -654,6 +654,11 @@ async fn event_stream_resumes_after_last_event_id(backend: Backend) {
     let last: Value = serde_json::from_str(&rest[0].data).expect("JSON");
     assert_eq!(last["type"], "JOB_EVENT_TYPE_SUCCEEDED");
 
+    // After the terminal event there is nothing more: 204 stops an EventSource.
+    let after_end = http.clone().with("last-event-id", "3").get(&path).await;
+    assert_eq!(after_end.status, 204);
+    assert!(after_end.body.is_empty());
+
     // A curl user can say where to start in the query instead.
     let from_query = http
         .open("GET", &format!("{path}?after_sequence=1"), None)

@@ -93,7 +93,7 @@ pub const OPERATIONS: &[Operation] = &[
         method: "get",
         path: "/api/v1/jobs/{id}/events",
         rpc: "WatchJob",
-        summary: "The job's events as text/event-stream: id is the event's sequence, data the JobEvent; resumes after Last-Event-ID (or after_sequence) and ends after the terminal event.",
+        summary: "The job's events as text/event-stream: id is the event's sequence, data the JobEvent; resumes after Last-Event-ID (or after_sequence) and ends after the terminal event; 204 when resumed after it.",
         body: None,
         response: None,
         query: &["after_sequence"],

@@ -4,22 +4,23 @@
 //! Each event's `id:` is its sequence, so the `Last-Event-ID` a browser
 //! sends when it reconnects is exactly `WatchJob`'s `after_sequence`: the
 //! stream resumes with no gap and no duplicate. The stream ends after the
-//! terminal event; a client should then stop (an `EventSource` would
-//! reconnect and get an empty stream that ends at once).
+//! terminal event. A reconnect after the terminal event gets `204 No
+//! Content`, which tells an `EventSource` to stop reconnecting.
 
 use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::extract::{Path, RawQuery, State};
-use axum::http::HeaderMap;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 
 use super::error::HttpError;
-use super::gateway::Gateway;
+use super::gateway::{Gateway, Method};
 use super::query;
 use crate::pb;
+use crate::pb::job_service_server::JobService;
 
 /// The header a reconnecting `EventSource` sends.
 const LAST_EVENT_ID: &str = "last-event-id";
@@ -63,11 +64,43 @@ pub async fn events(
     headers: HeaderMap,
 ) -> Result<Response, HttpError> {
     let after_sequence = resume_point(&headers, raw.as_deref())?;
-    let stream = gateway
+    let finished = after_sequence > 0 && is_finished(&gateway, &headers, &id).await?;
+    let mut stream = gateway
         .watch(&headers, pb::WatchJobRequest { id, after_sequence })
         .await?;
-    let events = stream.map(|item| Ok::<_, Infallible>(to_sse(item)));
+    // A finished job's stream ends as soon as its stored events are read,
+    // so waiting for the first one is short.
+    let first = if finished {
+        match stream.next().await {
+            None => return Ok(StatusCode::NO_CONTENT.into_response()),
+            Some(item) => Some(item),
+        }
+    } else {
+        None
+    };
+    let events = futures::stream::iter(first)
+        .chain(stream)
+        .map(|item| Ok::<_, Infallible>(to_sse(item)));
     Ok(Sse::new(events)
         .keep_alive(KeepAlive::default())
         .into_response())
+}
+
+/// Whether the job is in a terminal state: only then can a resumed stream
+/// be empty. Asked on reconnects only; a first connection always has the
+/// job's first event to send.
+async fn is_finished(gateway: &Gateway, headers: &HeaderMap, id: &str) -> Result<bool, HttpError> {
+    let request = pb::GetJobRequest { id: id.to_owned() };
+    let job = gateway
+        .call(Method::Get, headers, request, |jobs, r| async move {
+            jobs.get(r).await
+        })
+        .await?;
+    Ok(matches!(
+        job.state(),
+        pb::JobState::Succeeded
+            | pb::JobState::Failed
+            | pb::JobState::Cancelled
+            | pb::JobState::Expired
+    ))
 }

@@ -321,6 +321,8 @@ async function followEvents(id, onEvent) {
         signal: controller.signal,
       });
       if (!response.ok) throw new ApiError(response.status, await response.json());
+      // No Content: the job had already ended after the last event we saw.
+      if (response.status === 204) break;
       const reader = response.body.getReader();
       const decoder = new TextDecoder();
       let buffer = '';
