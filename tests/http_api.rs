@@ -640,14 +640,20 @@ async fn event_stream_resumes_after_last_event_id(backend: Backend) {
     assert_eq!(event["type"], "JOB_EVENT_TYPE_LEASED");
     assert_eq!(event["sequence"], "2");
 
-    // It finishes while nobody listens; the reconnect picks up after 2.
-    complete_ok(&mut workers, &leased).await;
+    // The reconnect picks up after 2 and gets the next event live, when the
+    // worker completes the job while the stream is open.
     let resumed = http
         .clone()
         .with("last-event-id", "2")
         .open("GET", &path, None)
         .await;
+    assert_eq!(resumed.status(), 200);
+    let completer = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        complete_ok(&mut workers, &leased).await;
+    });
     let (rest, ended) = read_events(resumed, None).await;
+    completer.await.expect("completion task");
     assert!(ended, "the stream closes after the terminal event");
     let ids: Vec<_> = rest.iter().map(|e| e.id.clone().expect("id")).collect();
     assert_eq!(ids, ["3"], "no gap and no duplicate: {rest:?}");
