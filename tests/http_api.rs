@@ -25,6 +25,7 @@ backend_tests!(
     retry_by_filter_with_dry_run,
     stats_and_pause_resume,
     event_stream_resumes_after_last_event_id,
+    open_event_stream_ends_at_shutdown,
     authentication_and_roles,
     rate_limit_and_queue_bound_are_429_with_retry_after,
     submit_batch_answers_each_item,
@@ -683,6 +684,22 @@ async fn event_stream_resumes_after_last_event_id(backend: Backend) {
         .await
         .expect_error(400, "INVALID_ARGUMENT");
     server.stop().await;
+}
+
+async fn open_event_stream_ends_at_shutdown(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let http = Http::new(&server);
+    let job = submit_http(&http, "quiet", "k").await;
+    let path = format!("/api/v1/jobs/{}/events", id_of(&job));
+    let response = http.open("GET", &path, None).await;
+    let reader = tokio::spawn(read_events(response, None));
+    // The job never finishes; stopping must still end the stream (the
+    // harness fails the test if the server takes longer than 15 s).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    server.stop().await;
+    let (events, ended) = reader.await.expect("reader task");
+    assert!(ended, "the stream ended");
+    assert_eq!(events.len(), 1, "{events:?}");
 }
 
 const PRODUCER: &str = "acme-producer-0123456789";
