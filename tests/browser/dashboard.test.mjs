@@ -174,6 +174,18 @@ async function main() {
     await page.locator('#confirm-ok').click();
     await page.locator('#message', { hasText: 'Queue mail resumed.' }).waitFor();
 
+    // Cancel a queued job from its page.
+    await page.goto(base + '/#/jobs?queue=mail&state=queued');
+    await page.waitForFunction(() => document.querySelectorAll('#jobs tbody tr[data-job]').length === 2);
+    const victim = await page.locator('#jobs tbody tr[data-job]').first().getAttribute('data-job');
+    await page.locator('#jobs tbody tr[data-job] a').first().click();
+    await page.locator('#timeline li').first().waitFor();
+    await page.getByRole('button', { name: 'Cancel job' }).click();
+    await page.locator('#confirm-ok').click();
+    await page.locator('#message', { hasText: 'is cancelled.' }).waitFor();
+    check((await api('GET', '/jobs/' + victim)).state === 'JOB_STATE_CANCELLED', 'the job was cancelled');
+    await page.locator('#timeline', { hasText: 'cancelled' }).waitFor();
+
     // The jobs list, filtered to the dead set of llm.
     await page.goto(base + '/#/jobs?queue=llm&state=failed');
     await page.waitForFunction(() => document.querySelectorAll('#jobs tbody tr[data-job]').length === 5);
