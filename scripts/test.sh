@@ -64,6 +64,10 @@ fi
 
 cargo test --all-targets "$@"
 
+# The dashboard in headless Chromium against the binary just built
+# (installs Debian's chromium when missing; saves docs/dashboard-*.png).
+scripts/browser-test.sh
+
 # The Helm chart: linted, rendered with Helm's own engine and validated
 # against the Kubernetes schemas (its own virtualenv; see the script).
 scripts/chart-test.sh

@@ -207,7 +207,7 @@ pub struct ServeArgs {
     #[arg(long, env = "INTRAY_HTTP2_KEEPALIVE_TIMEOUT", default_value = "10s", value_parser = duration)]
     pub http2_keepalive_timeout: Duration,
 
-    /// Address of the HTTP port (GET /metrics).
+    /// Address of the HTTP port: JSON API (/api/v1), dashboard (/), GET /metrics.
     #[arg(long, env = "INTRAY_HTTP_ADDR", default_value = "0.0.0.0:8080")]
     pub http_addr: SocketAddr,
 

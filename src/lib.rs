@@ -8,6 +8,7 @@ pub mod client;
 pub mod config;
 pub mod domain;
 pub mod engine;
+pub mod http;
 pub mod protect;
 pub mod reload;
 pub mod server;

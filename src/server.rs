@@ -18,7 +18,7 @@ use crate::engine::observer::Observer;
 use crate::engine::{gauges, notifier::Notifier, reaper};
 use crate::pb::job_service_server::JobServiceServer;
 use crate::pb::worker_service_server::WorkerServiceServer;
-use crate::protect::{CallLimitLayer, DecodeErrorsLayer, RateLimitLayer};
+use crate::protect::{CallLimitLayer, DecodeErrorsLayer, RateLimitLayer, RateLimiter};
 use crate::store::{self, StoreError};
 use crate::telemetry::Metrics;
 use crate::telemetry::rpc::RpcLayer;
@@ -84,8 +84,8 @@ pub async fn run(
     run_with(settings, listener, None, shutdown).await
 }
 
-/// Serves the gRPC API on `listener`, and `GET /metrics` on `http` when
-/// given, until `shutdown` completes: opens and migrates the database, runs
+/// Serves the gRPC API on `listener`, and on `http` when given the HTTP
+/// port (JSON API, dashboard, `GET /metrics`), until `shutdown` completes: opens and migrates the database, runs
 /// the reaper and the metrics timer, and on shutdown reports NOT_SERVING,
 /// ends long-polls and watch streams, and lets in-flight calls finish.
 pub async fn run_with(
@@ -113,6 +113,14 @@ pub async fn run_with(
         settings.slow_attempt,
     ));
     let metrics_refresh = settings.metrics_refresh;
+    // One bucket per caller and one concurrency limit for both ports.
+    let limiter = settings.rate_limit.map(|l| Arc::new(RateLimiter::new(l)));
+    let call_limit = CallLimitLayer::new(settings.rpc_timeout, settings.concurrency_limit);
+    let http_limits = crate::http::Limits {
+        rate: limiter.clone(),
+        slots: call_limit.slots(),
+        timeout: settings.rpc_timeout,
+    };
     // Outermost: refused and timed-out calls are traced and counted too.
     let layers = tower::ServiceBuilder::new()
         .layer(RpcLayer::new(
@@ -120,11 +128,8 @@ pub async fn run_with(
             Arc::clone(&metrics),
         ))
         .layer(AuthLayer::new(Arc::clone(&tokens)))
-        .layer(RateLimitLayer::new(settings.rate_limit))
-        .layer(CallLimitLayer::new(
-            settings.rpc_timeout,
-            settings.concurrency_limit,
-        ))
+        .layer(RateLimitLayer::new(limiter))
+        .layer(call_limit)
         .layer(DecodeErrorsLayer);
     let keepalive = (
         settings.http2_keepalive_interval,
@@ -156,7 +161,9 @@ pub async fn run_with(
     // grpcurl 1.8 only speaks v1alpha.
     let reflection_v1alpha = reflection().build_v1alpha()?;
 
-    let jobs = JobServiceServer::new(JobsApi::new(ctx.clone()))
+    // One service behind both ports: the HTTP face calls the same instance.
+    let jobs_api = Arc::new(JobsApi::new(ctx.clone()));
+    let jobs = JobServiceServer::from_arc(Arc::clone(&jobs_api))
         .max_decoding_message_size(MAX_REQUEST_BYTES)
         .max_encoding_message_size(MAX_RESPONSE_BYTES);
     let workers = WorkerServiceServer::new(WorkersApi::new(ctx))
@@ -177,12 +184,14 @@ pub async fn run_with(
         stop.clone(),
     ));
     let http_task = http.map(|listener| {
-        tokio::spawn(crate::telemetry::http::serve(
-            listener,
-            metrics,
-            tls.clone(),
-            stop.clone(),
-        ))
+        let gateway = crate::http::Gateway::new(
+            jobs_api,
+            Arc::clone(&tokens),
+            http_limits,
+            Arc::clone(&metrics),
+        );
+        let app = crate::http::router(Arc::new(gateway), metrics);
+        tokio::spawn(crate::http::serve(listener, app, tls.clone(), stop.clone()))
     });
     let mut watchers = Vec::new();
     if let Some(path) = tokens.path() {

@@ -51,6 +51,12 @@ impl CallLimitLayer {
             slots: Arc::new(Semaphore::new(concurrency.max(1))),
         }
     }
+
+    /// The slots of the limit, for the HTTP face to take from too: one
+    /// limit for both ports.
+    pub fn slots(&self) -> Arc<Semaphore> {
+        Arc::clone(&self.slots)
+    }
 }
 
 impl<S> Layer<S> for CallLimitLayer {

@@ -82,11 +82,11 @@ pub struct RateLimitLayer {
 }
 
 impl RateLimitLayer {
-    /// A layer applying `limit` per caller, or nothing.
-    pub fn new(limit: Option<RateLimit>) -> RateLimitLayer {
-        RateLimitLayer {
-            limiter: limit.map(|l| Arc::new(RateLimiter::new(l))),
-        }
+    /// A layer taking calls from `limiter`'s buckets, or limiting nothing.
+    /// The HTTP face shares the limiter, so a caller has one budget
+    /// whichever port it calls.
+    pub fn new(limiter: Option<Arc<RateLimiter>>) -> RateLimitLayer {
+        RateLimitLayer { limiter }
     }
 }
 

@@ -7,10 +7,9 @@
 //! - `traceparent`: W3C trace context values and attempt span ids (pure).
 //! - `rpc`: the tower layer giving every call a server span and metrics.
 //! - `attempt`: an ended attempt's summary and its `job.attempt` span.
-//! - `metrics` and `http`: the metrics and `GET /metrics`.
+//! - `metrics`: the metrics and their text exposition (served by `crate::http`).
 
 pub mod attempt;
-pub mod http;
 pub mod logging;
 pub mod metrics;
 pub mod otlp;

@@ -1,14 +1,10 @@
-//! The HTTP port: `GET /metrics` in the Prometheus text format, over TLS
-//! when the gRPC port has it (same certificate, client CA and reload).
+//! Serving the HTTP port, over TLS when the gRPC port has it (same
+//! certificate, client CA and reload).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::State;
-use axum::http::header;
-use axum::response::IntoResponse;
-use axum::routing::get;
 use futures::StreamExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::server::TlsStream;
@@ -16,29 +12,16 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::server::TcpIncoming;
 
-use super::metrics::Metrics;
 use crate::tls::{Port, TlsState};
 
-/// Content type of the text exposition format.
-const TEXT_FORMAT: &str = "text/plain; version=0.0.4; charset=utf-8";
-
-async fn metrics(State(metrics): State<Arc<Metrics>>) -> impl IntoResponse {
-    ([(header::CONTENT_TYPE, TEXT_FORMAT)], metrics.render())
-}
-
-/// Serves the HTTP port on `listener` until `stop` is cancelled, over TLS
-/// when `tls` is given. A scrape only renders what is in memory: the
-/// database gauges are refreshed on a timer, so scrapes cost the database
-/// nothing.
+/// Serves `app` on `listener` until `stop` is cancelled, over TLS when
+/// `tls` is given.
 pub async fn serve(
     listener: TcpListener,
-    metrics: Arc<Metrics>,
+    app: Router,
     tls: Option<Arc<TlsState>>,
     stop: CancellationToken,
 ) -> std::io::Result<()> {
-    let app = Router::new()
-        .route("/metrics", get(self::metrics))
-        .with_state(metrics);
     let shutdown = stop.clone().cancelled_owned();
     match tls {
         None => {

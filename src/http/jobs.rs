@@ -1,0 +1,220 @@
+//! The unary routes of `/api/v1`: each reads its HTTP input into the gRPC
+//! request message, makes the call through the [`Gateway`], and writes the
+//! response message as JSON.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use tonic::Status;
+
+use super::body::{self, json};
+use super::error::HttpError;
+use super::gateway::{Gateway, Method};
+use super::query;
+use crate::domain::validate::ValidationError;
+use crate::pb;
+use crate::pb::job_service_server::JobService;
+
+/// The header carrying a submit's idempotency key.
+pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+
+type Shared = State<Arc<Gateway>>;
+type Body = Result<Bytes, BytesRejection>;
+
+/// Where a job is served.
+pub fn location(id: &str) -> String {
+    format!("/api/v1/jobs/{id}")
+}
+
+/// `POST /api/v1/jobs`: `202` with a new job, `200` with the original one
+/// when the idempotency key and input match an earlier submit.
+pub async fn submit(
+    State(gateway): Shared,
+    headers: HeaderMap,
+    raw: Body,
+) -> Result<Response, HttpError> {
+    let mut request: pb::SubmitRequest = body::parse(&body::bytes(raw)?)?;
+    if let Some(key) = headers.get(IDEMPOTENCY_KEY) {
+        let key = key
+            .to_str()
+            .map_err(|_| ValidationError::new("Idempotency-Key", "must be ASCII"))?;
+        if !request.idempotency_key.is_empty() && request.idempotency_key != key {
+            return Err(ValidationError::new(
+                "Idempotency-Key",
+                "differs from the body's idempotency_key",
+            )
+            .into());
+        }
+        key.clone_into(&mut request.idempotency_key);
+    }
+    let answer = gateway
+        .call(Method::Submit, &headers, request, |jobs, r| async move {
+            jobs.submit(r).await
+        })
+        .await?;
+    let job = answer
+        .job
+        .ok_or_else(|| Status::internal("internal error"))?;
+    let status = if answer.created {
+        StatusCode::ACCEPTED
+    } else {
+        StatusCode::OK
+    };
+    let mut response = json(status, &job);
+    if let Ok(value) = location(&job.id).parse() {
+        response.headers_mut().insert(header::LOCATION, value);
+    }
+    Ok(response)
+}
+
+/// `POST /api/v1/jobs:batch` with a `SubmitBatchRequest`: `200` with one
+/// result per item, each accepted or refused on its own as by `Submit`.
+pub async fn submit_batch(
+    State(gateway): Shared,
+    headers: HeaderMap,
+    raw: Body,
+) -> Result<Response, HttpError> {
+    let request: pb::SubmitBatchRequest = body::parse(&body::bytes(raw)?)?;
+    let answer = gateway
+        .call(
+            Method::SubmitBatch,
+            &headers,
+            request,
+            |jobs, r| async move { jobs.submit_batch(r).await },
+        )
+        .await?;
+    Ok(json(StatusCode::OK, &answer))
+}
+
+/// `GET /api/v1/jobs/{id}`.
+pub async fn get(
+    State(gateway): Shared,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, HttpError> {
+    let job = gateway
+        .call(
+            Method::Get,
+            &headers,
+            pb::GetJobRequest { id },
+            |jobs, r| async move { jobs.get(r).await },
+        )
+        .await?;
+    Ok(json(StatusCode::OK, &job))
+}
+
+/// `GET /api/v1/jobs?...`: one page, newest first (see [`query::list`]).
+pub async fn list(
+    State(gateway): Shared,
+    RawQuery(raw): RawQuery,
+    headers: HeaderMap,
+) -> Result<Response, HttpError> {
+    let request = query::list(raw.as_deref())?;
+    let page = gateway
+        .call(Method::List, &headers, request, |jobs, r| async move {
+            jobs.list(r).await
+        })
+        .await?;
+    Ok(json(StatusCode::OK, &page))
+}
+
+/// `POST /api/v1/jobs/{id}:cancel` with an optional `{"reason": ...}`.
+/// Custom methods share the job's path segment, so the handler splits it.
+pub async fn post_on_job(
+    State(gateway): Shared,
+    Path(segment): Path<String>,
+    headers: HeaderMap,
+    raw: Body,
+) -> Result<Response, HttpError> {
+    let Some(id) = segment.strip_suffix(":cancel") else {
+        return Err(HttpError::NoRoute(format!("POST {}", location(&segment))));
+    };
+    let mut request: pb::CancelJobRequest = body::parse(&body::bytes(raw)?)?;
+    if !request.id.is_empty() && request.id != id {
+        return Err(ValidationError::new("id", "differs from the id in the path").into());
+    }
+    id.clone_into(&mut request.id);
+    let job = gateway
+        .call(Method::Cancel, &headers, request, |jobs, r| async move {
+            jobs.cancel(r).await
+        })
+        .await?;
+    Ok(json(StatusCode::OK, &job))
+}
+
+/// `POST /api/v1/jobs:retry` with a `RetryJobRequest` (`{"id": ...}` or
+/// `{"filter": {...}, "dryRun": true, "limit": n}`).
+pub async fn retry(
+    State(gateway): Shared,
+    headers: HeaderMap,
+    raw: Body,
+) -> Result<Response, HttpError> {
+    let request: pb::RetryJobRequest = body::parse(&body::bytes(raw)?)?;
+    let answer = gateway
+        .call(Method::Retry, &headers, request, |jobs, r| async move {
+            jobs.retry(r).await
+        })
+        .await?;
+    Ok(json(StatusCode::OK, &answer))
+}
+
+/// `GET /api/v1/stats?queue=`.
+pub async fn stats(
+    State(gateway): Shared,
+    RawQuery(raw): RawQuery,
+    headers: HeaderMap,
+) -> Result<Response, HttpError> {
+    let request = query::stats(raw.as_deref())?;
+    let stats = gateway
+        .call(Method::Stats, &headers, request, |jobs, r| async move {
+            jobs.stats(r).await
+        })
+        .await?;
+    Ok(json(StatusCode::OK, &stats))
+}
+
+/// `POST /api/v1/queues/{queue}:pause` and `:resume`. Queue names may hold
+/// `:` themselves, so the verb is what follows the last one.
+pub async fn post_on_queue(
+    State(gateway): Shared,
+    Path(segment): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, HttpError> {
+    let no_route = || HttpError::NoRoute(format!("POST /api/v1/queues/{segment}"));
+    let (queue, verb) = segment.rsplit_once(':').ok_or_else(no_route)?;
+    let queue = queue.to_owned();
+    match verb {
+        "pause" => {
+            let answer = gateway
+                .call(
+                    Method::PauseQueue,
+                    &headers,
+                    pb::PauseQueueRequest { queue },
+                    |jobs, r| async move { jobs.pause_queue(r).await },
+                )
+                .await?;
+            Ok(json(StatusCode::OK, &answer))
+        }
+        "resume" => {
+            let answer = gateway
+                .call(
+                    Method::ResumeQueue,
+                    &headers,
+                    pb::ResumeQueueRequest { queue },
+                    |jobs, r| async move { jobs.resume_queue(r).await },
+                )
+                .await?;
+            Ok(json(StatusCode::OK, &answer))
+        }
+        _ => Err(no_route()),
+    }
+}
+
+/// Anything else under `/api/v1`: a JSON 404 rather than an empty one.
+pub async fn no_route(uri: axum::http::Uri) -> impl IntoResponse {
+    HttpError::NoRoute(uri.path().to_owned())
+}
