@@ -3,7 +3,9 @@
 # Needs Debian's chromium (installed here with apt-get when missing and we
 # are root), node and npm (playwright-core from package-lock.json), and a
 # built intray binary (INTRAY_BIN, default target/debug/intray). Saves the
-# screenshots under docs/. Fails naming whatever is missing.
+# screenshots under target/screenshots/ (SCREENSHOTS=docs refreshes the
+# README's), so a test run leaves the tree clean. Fails naming whatever is
+# missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,6 +35,9 @@ if [ ! -x "$INTRAY_BIN" ]; then
 fi
 INTRAY_BIN=$(realpath "$INTRAY_BIN")
 export CHROMIUM
+mkdir -p "${SCREENSHOTS:=$target/screenshots}"
+SCREENSHOTS=$(realpath "$SCREENSHOTS")
+export SCREENSHOTS
 
 cd tests/browser
 npm ci --no-audit --no-fund --loglevel=error

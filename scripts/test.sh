@@ -65,7 +65,7 @@ fi
 cargo test --all-targets "$@"
 
 # The dashboard in headless Chromium against the binary just built
-# (installs Debian's chromium when missing; saves docs/dashboard-*.png).
+# (installs Debian's chromium when missing; screenshots under target/screenshots).
 scripts/browser-test.sh
 
 # The Helm chart: linted, rendered with Helm's own engine and validated

@@ -60,6 +60,12 @@ pub struct RunningCaps {
 }
 
 impl RunningCaps {
+    /// Whether any cap is set: only then (or when claiming across tenants)
+    /// does a claim need the running jobs counted.
+    pub fn any(&self) -> bool {
+        self.default != i64::MAX || !self.caps.is_empty()
+    }
+
     /// The caps configured in `settings`.
     pub fn from_settings(settings: &Settings) -> Self {
         let (queues, caps) = settings

@@ -960,8 +960,10 @@ impl Store for PgStore {
                 UNION ALL
                 SELECT $1::text WHERE $1::text IS NOT NULL
              ), running AS (
+                -- Counted only when caps or fairness need it ($10): the scan
+                -- walks every running row, and dead ones until vacuum.
                 SELECT tenant, queue, count(*) AS n FROM jobs
-                WHERE state = 'running' AND ($1::text IS NULL OR tenant = $1)
+                WHERE $10 AND state = 'running' AND ($1::text IS NULL OR tenant = $1)
                 GROUP BY tenant, queue
              ), candidates AS (
                 SELECT c.id, c.priority, c.run_at, c.kind, c.half_open,
@@ -1049,6 +1051,7 @@ impl Store for PgStore {
         .bind(&self.caps.queues)
         .bind(&self.caps.caps)
         .bind(self.caps.default)
+        .bind(spec.all_tenants || self.caps.any())
         .fetch_all(&mut *tx)
         .await?;
         let mut claimed: Vec<Vec<Job>> = specs.iter().map(|_| Vec::new()).collect();

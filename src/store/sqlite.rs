@@ -508,8 +508,9 @@ impl SqliteStore {
                     SELECT 1 FROM paused_queues p WHERE p.tenant = t.tenant AND p.queue = q.value
                 )
              ), running AS (
+                -- Counted only when caps or fairness need it (?10).
                 SELECT tenant, queue, count(*) AS n FROM jobs
-                WHERE state = 'running' AND (?1 IS NULL OR tenant = ?1)
+                WHERE ?10 AND state = 'running' AND (?1 IS NULL OR tenant = ?1)
                 GROUP BY tenant, queue
              ), candidates AS (
                 SELECT j.id, j.priority, j.run_at, j.tenant, j.queue, j.kind,
@@ -569,6 +570,7 @@ impl SqliteStore {
         .bind(duration_ms(spec.lease_duration))
         .bind(to_json(&caps))
         .bind(self.caps.default)
+        .bind(spec.all_tenants || self.caps.any())
         .fetch_all(&mut **tx)
         .await?;
         let mut jobs = rows
