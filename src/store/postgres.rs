@@ -134,6 +134,18 @@ fn job_from_row(row: &PgRow) -> StoreResult<Job> {
     })
 }
 
+fn breaker_from_row(row: &PgRow) -> StoreResult<Breaker> {
+    Ok(Breaker {
+        failures: to_u32(row.try_get("failures")?, "failures")?,
+        max_retry_after: Duration::from_millis(to_u64(
+            row.try_get("max_retry_after_ms")?,
+            "max_retry_after_ms",
+        )?),
+        open_until: row.try_get("open_until")?,
+        probe_job: row.try_get("probe_job")?,
+    })
+}
+
 fn event_from_row(row: &PgRow) -> StoreResult<JobEvent> {
     let kind: String = row.try_get("type")?;
     let state: String = row.try_get("state")?;
@@ -308,15 +320,7 @@ impl Breakers {
         .await?;
         let mut breakers = Breakers::default();
         for row in &rows {
-            let breaker = Breaker {
-                failures: to_u32(row.try_get("failures")?, "failures")?,
-                max_retry_after: Duration::from_millis(to_u64(
-                    row.try_get("max_retry_after_ms")?,
-                    "max_retry_after_ms",
-                )?),
-                open_until: row.try_get("open_until")?,
-                probe_job: row.try_get("probe_job")?,
-            };
+            let breaker = breaker_from_row(row)?;
             breakers.rows.insert(
                 (row.try_get("queue")?, row.try_get("kind")?),
                 (Some(breaker), false),
@@ -876,15 +880,7 @@ impl Store for PgStore {
         .await?;
         for row in &breakers {
             let queue: String = row.try_get("queue")?;
-            let breaker = Breaker {
-                failures: to_u32(row.try_get("failures")?, "failures")?,
-                max_retry_after: Duration::from_millis(to_u64(
-                    row.try_get("max_retry_after_ms")?,
-                    "max_retry_after_ms",
-                )?),
-                open_until: row.try_get("open_until")?,
-                probe_job: row.try_get("probe_job")?,
-            };
+            let breaker = breaker_from_row(row)?;
             by_queue.breaker(queue, row.try_get("kind")?, breaker);
         }
         let workers = workers
