@@ -3,7 +3,9 @@
 
 use std::sync::Arc;
 
-use crate::domain::{CompleteSpec, Job, LeaseSpec, NewJob};
+use std::time::Duration;
+
+use crate::domain::{CompleteSpec, HeartbeatSpec, Job, LeaseSpec, NewJob};
 use crate::store::{Ended, Store, StoreResult, Submitted};
 
 use super::coalesce::{Coalescer, Flush, FlushFuture};
@@ -112,5 +114,33 @@ impl Flush for LeaseFlush {
 
     fn flush(&self, shape: LeaseShape, specs: Vec<LeaseSpec>) -> FlushFuture<'_, Vec<Job>> {
         Box::pin(async move { self.0.lease(&shape.tenant, &specs).await })
+    }
+
+    /// Jobs leased to a caller that went away (a long-poll cut short by the
+    /// worker's own deadline, say) would sit out a whole lease. Their leases
+    /// are ended now instead, so the reaper's next pass hands them on, as
+    /// after a worker crash.
+    fn orphaned(&self, jobs: Vec<Job>) {
+        if jobs.is_empty() {
+            return;
+        }
+        let store = Arc::clone(&self.0);
+        tokio::spawn(async move {
+            for job in jobs {
+                let Some(lease_token) = job.lease_token else {
+                    continue;
+                };
+                let end_now = HeartbeatSpec {
+                    job_id: job.id,
+                    lease_token,
+                    extend_by: Duration::ZERO,
+                    progress: None,
+                    message: None,
+                };
+                if let Err(err) = store.heartbeat(&job.tenant, &end_now).await {
+                    tracing::warn!(error = %err, job_id = %job.id, "could not end the lease of a job whose Lease call went away");
+                }
+            }
+        });
     }
 }

@@ -14,6 +14,12 @@
 //! batch is run again one call at a time, and only the offending call gets
 //! the error. An unavailable database is answered to everyone at once: there
 //! is nothing to isolate, and a second try would only add load.
+//!
+//! A caller that has gone away (its RPC was cancelled, timed out, or its
+//! connection closed) is left out of the next transaction: nobody waits for
+//! that answer. A caller that goes away while its transaction runs still has
+//! its call committed, and [`Flush::orphaned`] undoes what the lost answer
+//! would strand (a lease nobody holds, for example).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -42,6 +48,10 @@ pub trait Flush: Send + Sync + 'static {
 
     /// Runs the calls in one transaction; the answers come in call order.
     fn flush(&self, key: Self::Key, calls: Vec<Self::Call>) -> FlushFuture<'_, Self::Answer>;
+
+    /// Takes a committed answer whose caller went away before it was sent.
+    /// Most answers need nothing; the default drops it.
+    fn orphaned(&self, _answer: Self::Answer) {}
 }
 
 struct Pending<F: Flush> {
@@ -66,8 +76,9 @@ impl<F: Flush> Coalescer<F> {
     }
 
     /// Runs `call` in a transaction shared with the concurrent calls of the
-    /// same key. A caller that goes away still has its call committed, just as
-    /// a call whose answer is lost on the wire.
+    /// same key. A caller that goes away before its transaction starts is
+    /// left out of it; one that goes away later still has its call
+    /// committed, and its answer goes to [`Flush::orphaned`].
     pub async fn call(&self, key: F::Key, call: F::Call) -> StoreResult<F::Answer> {
         let (reply, answer) = oneshot::channel();
         self.calls
@@ -144,8 +155,14 @@ async fn run_batch<F: Flush>(flush: &F, batch: Vec<Pending<F>>) {
 }
 
 async fn run_group<F: Flush>(flush: &F, key: F::Key, group: Vec<Pending<F>>) {
-    let (calls, replies): (Vec<F::Call>, Vec<_>) =
-        group.into_iter().map(|p| (p.call, p.reply)).unzip();
+    let (calls, replies): (Vec<F::Call>, Vec<_>) = group
+        .into_iter()
+        .filter(|p| !p.reply.is_closed())
+        .map(|p| (p.call, p.reply))
+        .unzip();
+    if calls.is_empty() {
+        return;
+    }
     if calls.len() == 1 {
         answer_alone(flush, key, calls, replies).await;
         return;
@@ -161,8 +178,8 @@ async fn run_group<F: Flush>(flush: &F, key: F::Key, group: Vec<Pending<F>>) {
         "shared transaction"
     );
     match result {
-        Ok(answers) => answer_all(replies, Ok(answers)),
-        Err(err @ StoreError::Unavailable(_)) => answer_all(replies, Err(err)),
+        Ok(answers) => answer_all(flush, replies, Ok(answers)),
+        Err(err @ StoreError::Unavailable(_)) => answer_all(flush, replies, Err(err)),
         Err(err) => {
             tracing::debug!(error = %err, calls = spare.len(), "shared transaction failed; running its calls one by one");
             for (call, reply) in spare.into_iter().zip(replies) {
@@ -179,15 +196,20 @@ async fn answer_alone<F: Flush>(
     replies: Vec<oneshot::Sender<StoreResult<F::Answer>>>,
 ) {
     let answers = flush.flush(key, calls).await;
-    answer_all(replies, answers);
+    answer_all(flush, replies, answers);
 }
 
-fn answer_all<A>(replies: Vec<oneshot::Sender<StoreResult<A>>>, answers: StoreResult<Vec<A>>) {
+fn answer_all<F: Flush>(
+    flush: &F,
+    replies: Vec<oneshot::Sender<StoreResult<F::Answer>>>,
+    answers: StoreResult<Vec<F::Answer>>,
+) {
     match answers {
         Ok(answers) if answers.len() == replies.len() => {
             for (reply, answer) in replies.into_iter().zip(answers) {
-                // A caller that went away needs no answer.
-                let _ = reply.send(Ok(answer));
+                if let Err(Ok(answer)) = reply.send(Ok(answer)) {
+                    flush.orphaned(answer);
+                }
             }
         }
         Ok(answers) => {
@@ -215,10 +237,12 @@ mod tests {
 
     use super::*;
 
-    /// Records each flush; a call of `13` fails any flush it is in.
+    /// Records each flush and each orphaned answer; a call of `13` fails
+    /// any flush it is in.
     #[derive(Default)]
     struct Recorder {
         flushes: Mutex<Vec<Vec<u32>>>,
+        orphans: Mutex<Vec<u32>>,
     }
 
     impl Flush for Arc<Recorder> {
@@ -242,6 +266,13 @@ mod tests {
                 }
                 Ok(calls.iter().map(|c| c * 10).collect())
             })
+        }
+
+        fn orphaned(&self, answer: u32) {
+            self.orphans
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(answer);
         }
     }
 
@@ -302,5 +333,46 @@ mod tests {
         let flushes = recorder.flushes.lock().expect("lock").clone();
         assert!(flushes.iter().all(|f| f.len() <= 3), "{flushes:?}");
         assert_eq!(flushes.iter().map(Vec::len).sum::<usize>(), 10);
+    }
+
+    #[tokio::test]
+    async fn a_caller_gone_before_its_transaction_is_left_out() {
+        let recorder = Arc::new(Recorder::default());
+        let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), 1, 100));
+        let blocker = {
+            let coalescer = Arc::clone(&coalescer);
+            tokio::spawn(async move { coalescer.call("k", 1).await })
+        };
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let gone = {
+            let coalescer = Arc::clone(&coalescer);
+            tokio::spawn(async move { coalescer.call("k", 7).await })
+        };
+        let stays = {
+            let coalescer = Arc::clone(&coalescer);
+            tokio::spawn(async move { coalescer.call("k", 8).await })
+        };
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        gone.abort();
+        assert_eq!(blocker.await.expect("joined").expect("answered"), 10);
+        assert_eq!(stays.await.expect("joined").expect("answered"), 80);
+        let flushes = recorder.flushes.lock().expect("lock").clone();
+        assert_eq!(flushes, vec![vec![1], vec![8]]);
+        assert!(recorder.orphans.lock().expect("lock").is_empty());
+    }
+
+    #[tokio::test]
+    async fn an_answer_whose_caller_left_during_the_transaction_is_orphaned() {
+        let recorder = Arc::new(Recorder::default());
+        let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), 1, 100));
+        let gone = {
+            let coalescer = Arc::clone(&coalescer);
+            tokio::spawn(async move { coalescer.call("k", 9).await })
+        };
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        gone.abort();
+        tokio::time::sleep(Duration::from_millis(40)).await;
+        assert_eq!(*recorder.flushes.lock().expect("lock"), vec![vec![9]]);
+        assert_eq!(*recorder.orphans.lock().expect("lock"), vec![90]);
     }
 }
