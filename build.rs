@@ -24,6 +24,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_client(true)
         .compile_well_known_types(true)
         .extern_path(".google.protobuf", "::pbjson_types")
+        // Smaller per-call buffers (see src/codec.rs).
+        .codec_path("crate::codec::LeanCodec")
         .compile_fds(compiler.file_descriptor_set())?;
 
     pbjson_build::Builder::new()

@@ -100,9 +100,13 @@ pub struct ServeArgs {
     #[arg(long, env = "INTRAY_CANCEL_GRACE", default_value = "30s", value_parser = duration)]
     pub cancel_grace: Duration,
 
-    /// How often waiting Lease and WatchJob calls re-read the database without a notification.
+    /// How often waiting Lease calls re-read the database without a notification.
     #[arg(long, env = "INTRAY_FALLBACK_POLL", default_value = "1s", value_parser = duration)]
     pub fallback_poll: Duration,
+
+    /// How often open WatchJob streams re-read the database without a notification.
+    #[arg(long, env = "INTRAY_WATCH_FALLBACK_POLL", default_value = "30s", value_parser = duration)]
+    pub watch_fallback_poll: Duration,
 
     /// Finished jobs older than this are deleted with their events.
     #[arg(long, env = "INTRAY_RETENTION", default_value = "7days", value_parser = duration)]
@@ -233,8 +237,14 @@ impl ServeArgs {
         if self.lease_duration > self.max_lease_duration {
             return Err("--lease-duration must not exceed --max-lease-duration".into());
         }
-        if self.reaper_interval.is_zero() || self.fallback_poll.is_zero() {
-            return Err("--reaper-interval and --fallback-poll must be above zero".into());
+        if self.reaper_interval.is_zero()
+            || self.fallback_poll.is_zero()
+            || self.watch_fallback_poll.is_zero()
+        {
+            return Err(
+                "--reaper-interval, --fallback-poll and --watch-fallback-poll must be above zero"
+                    .into(),
+            );
         }
         if self.rpc_timeout.is_zero() || self.reload_interval.is_zero() {
             return Err("--rpc-timeout and --reload-interval must be above zero".into());
@@ -260,6 +270,7 @@ impl ServeArgs {
         s.max_payload_bytes = self.max_payload_bytes;
         s.cancel_grace = self.cancel_grace;
         s.fallback_poll = self.fallback_poll;
+        s.watch_fallback_poll = self.watch_fallback_poll;
         s.retention = self.retention;
         s.queue_bound = self.queue_bound;
         s.max_running_per_tenant = self.max_running_per_tenant;

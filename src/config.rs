@@ -32,9 +32,14 @@ pub struct Settings {
     pub max_payload_bytes: usize,
     /// How long a running job may ignore a cancel before it is cancelled anyway.
     pub cancel_grace: Duration,
-    /// How often a waiting `Lease` or `WatchJob` re-reads the database even
-    /// without a notification, so a lost one costs latency and never a job.
+    /// How often a waiting `Lease` re-reads the database even without a
+    /// notification, so a lost one costs latency and never a job (and a
+    /// retry that comes due is found).
     pub fallback_poll: Duration,
+    /// The same for an open `WatchJob` stream. Longer: every open stream
+    /// re-reads on it, and a stream's events are always notified (a lost
+    /// `LISTEN` connection wakes every stream), so it is only a safety net.
+    pub watch_fallback_poll: Duration,
     /// Finished jobs older than this are deleted with their events.
     pub retention: Duration,
     /// Most queued jobs per tenant and queue; `Submit` beyond it is refused.
@@ -112,6 +117,7 @@ impl Settings {
             max_payload_bytes: 1024 * 1024,
             cancel_grace: Duration::from_secs(30),
             fallback_poll: Duration::from_secs(1),
+            watch_fallback_poll: Duration::from_secs(30),
             retention: Duration::from_secs(7 * 24 * 3600),
             queue_bound: 1_000_000,
             max_running_per_tenant: None,

@@ -5,6 +5,7 @@ pub mod auth;
 pub mod bench;
 pub mod cli;
 pub mod client;
+pub mod codec;
 pub mod config;
 pub mod domain;
 pub mod engine;

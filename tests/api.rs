@@ -857,6 +857,7 @@ async fn watch_live_push(backend: Backend) {
     // A long fallback poll: the pushes must come from the notifier.
     let server = TestServer::start_with(backend, |s| {
         s.fallback_poll = Duration::from_secs(60);
+        s.watch_fallback_poll = Duration::from_secs(60);
     })
     .await;
     let mut jobs = server.jobs_client("t");
@@ -902,6 +903,39 @@ async fn watch_live_push(backend: Backend) {
     within(quick, "watcher task", watcher)
         .await
         .expect("watcher task");
+
+    if let Backend::Postgres = backend {
+        // A watcher on another replica: its events come through NOTIFY and
+        // a read there (nothing is kept in that replica's memory).
+        let replica = server
+            .start_replica_with(|s| {
+                s.fallback_poll = Duration::from_secs(60);
+                s.watch_fallback_poll = Duration::from_secs(60);
+            })
+            .await;
+        let job = submit(&mut jobs, "live-remote", "k", json!({})).await;
+        let mut remote = replica.jobs_client("t");
+        let mut stream = remote
+            .watch_job(pb::WatchJobRequest {
+                id: job.id.clone(),
+                after_sequence: 1,
+            })
+            .await
+            .expect("WatchJob on the replica")
+            .into_inner();
+        let leased = lease_one(&mut workers, "w", "live-remote").await;
+        complete_ok(&mut workers, &leased).await;
+        let mut seen = Vec::new();
+        while let Some(item) = tokio::time::timeout(quick, stream.next())
+            .await
+            .expect("remote events pushed within 3 s")
+        {
+            seen.push(item.expect("event, not an error"));
+        }
+        assert_eq!(sequences(&seen), vec![2, 3]);
+        assert_eq!(event_types(&seen), vec![Ev::Leased, Ev::Succeeded]);
+        replica.stop().await;
+    }
     server.stop().await;
 }
 

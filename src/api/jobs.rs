@@ -1,12 +1,11 @@
 //! `intray.v1.JobService`: the producers' and operators' API.
 
+use std::collections::VecDeque;
 use std::pin::Pin;
 use std::time::Duration;
 
 use chrono::Utc;
 use futures::Stream;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use uuid::Uuid;
 
@@ -15,8 +14,9 @@ use super::backpressure::QueueDepths;
 use super::convert;
 use super::status::item_error;
 use super::tenant::tenant_of;
-use crate::domain::NewJob;
 use crate::domain::validate::{self, MAX_BATCH, ValidationError};
+use crate::domain::{JobEvent, NewJob};
+use crate::engine::notifier::JobWatch;
 use crate::pb;
 use crate::pb::job_service_server::JobService;
 use crate::store::{Store, StoreError};
@@ -199,15 +199,12 @@ impl JobService for JobsApi {
         let id = job_id(&request.id)?;
         // Unknown or foreign ids fail the call itself, not the stream later.
         self.ctx.store.get(&tenant, id).await?;
-        let (tx, rx) = mpsc::channel(64);
-        tokio::spawn(stream_events(
+        Ok(Response::new(watch_events(
             self.ctx.clone(),
             tenant,
             id,
             request.after_sequence,
-            tx,
-        ));
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        )))
     }
 
     async fn list(
@@ -324,67 +321,89 @@ impl JobService for JobsApi {
     }
 }
 
-/// Feeds a `WatchJob` stream: the stored events after `after`, then new ones
-/// as they are committed, until the job's terminal event has been sent.
-///
-/// The database is the source of truth; a notification only says "read
-/// again", and a timer re-reads anyway, so a lost notification costs latency
-/// and never an event. Sequences are gap-free, so resuming from the last one
-/// seen neither skips nor repeats.
-async fn stream_events(
+/// Where a `WatchJob` stream is: the last sequence sent, events read but
+/// not yet sent, and whether the terminal event (or an error) has been sent.
+struct Watching {
     ctx: Context,
     tenant: String,
     id: Uuid,
-    mut after: u64,
-    tx: mpsc::Sender<Result<pb::JobEvent, Status>>,
-) {
-    let watch = ctx.notifier.watch_job(id);
-    loop {
-        let woken = watch.notify().notified();
-        tokio::pin!(woken);
-        woken.as_mut().enable();
+    watch: JobWatch,
+    after: u64,
+    ready: VecDeque<JobEvent>,
+    done: bool,
+}
 
-        let events = match ctx
-            .store
-            .events_after(&tenant, id, after, WATCH_BATCH)
-            .await
+/// The events of a `WatchJob` stream: the stored events after `after`, then
+/// new ones as they are committed, until the job's terminal event has been
+/// sent. A stream, not a task feeding a channel: an open watch costs only
+/// its state, and a client that goes away drops it.
+///
+/// The database is the source of truth; a notification only says "read
+/// again", and a timer re-reads anyway, so a lost notification costs latency
+/// and never an event. Events this replica has just committed come from
+/// memory when they follow the last one sent. Sequences are gap-free, so
+/// resuming from the last one seen neither skips nor repeats.
+fn watch_events(ctx: Context, tenant: String, id: Uuid, after: u64) -> WatchStream {
+    let watch = ctx.notifier.watch_job(id);
+    let start = Watching {
+        ctx,
+        tenant,
+        id,
+        watch,
+        after,
+        ready: VecDeque::new(),
+        done: false,
+    };
+    Box::pin(futures::stream::unfold(start, |mut w| async move {
+        if w.ready.is_empty()
+            && !w.done
+            && let Err(err) = w.refill().await
         {
-            Ok(events) => events,
-            Err(err) => {
-                let _ = tx.send(Err(err.into())).await;
-                return;
+            w.done = true;
+            return Some((Err(err.into()), w));
+        }
+        let event = w.ready.pop_front()?;
+        w.after = event.sequence;
+        w.done = w.done || event.is_terminal();
+        Some((Ok(convert::event(&event)), w))
+    }))
+}
+
+impl Watching {
+    /// Waits until there are events to send, or the stream is over (`done`
+    /// with nothing ready).
+    async fn refill(&mut self) -> Result<(), StoreError> {
+        loop {
+            let woken = self.watch.notify().notified();
+            tokio::pin!(woken);
+            // Before reading, so that a commit in between still wakes us.
+            woken.as_mut().enable();
+
+            let kept = self.watch.events_after(self.after);
+            let events = if kept.is_empty() {
+                self.ctx
+                    .store
+                    .events_after(&self.tenant, self.id, self.after, WATCH_BATCH)
+                    .await?
+            } else {
+                kept
+            };
+            if !events.is_empty() {
+                self.ready.extend(events);
+                return Ok(());
             }
-        };
-        let fetched = events.len();
-        let mut ended = false;
-        for event in events {
-            after = event.sequence;
-            ended = event.is_terminal();
-            if tx.send(Ok(convert::event(&event))).await.is_err() {
-                return;
+            if finished_before(&*self.ctx.store, &self.tenant, self.id, self.after).await? {
+                self.done = true;
+                return Ok(());
             }
-        }
-        if fetched == WATCH_BATCH as usize {
-            continue;
-        }
-        if ended {
-            return;
-        }
-        if fetched == 0 {
-            match finished_before(&*ctx.store, &tenant, id, after).await {
-                Ok(false) => {}
-                Ok(true) => return,
-                Err(err) => {
-                    let _ = tx.send(Err(err.into())).await;
-                    return;
+            tokio::select! {
+                () = &mut woken => {}
+                () = tokio::time::sleep(self.ctx.settings.watch_fallback_poll) => {}
+                () = self.ctx.shutdown.cancelled() => {
+                    self.done = true;
+                    return Ok(());
                 }
             }
-        }
-        tokio::select! {
-            () = &mut woken => {}
-            () = tokio::time::sleep(ctx.settings.fallback_poll) => {}
-            () = tx.closed() => return,
-            () = ctx.shutdown.cancelled() => return,
         }
     }
 }

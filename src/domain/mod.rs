@@ -233,6 +233,20 @@ pub struct JobEvent {
 }
 
 impl JobEvent {
+    /// The `LEASED` event of a job as its claim left it.
+    pub fn leased(job: &Job) -> JobEvent {
+        JobEvent {
+            job_id: job.id,
+            sequence: job.event_seq,
+            kind: EventType::Leased,
+            state: JobState::Running,
+            attempt: job.attempt,
+            worker_id: job.lease_owner.clone(),
+            at: job.updated_at,
+            detail: None,
+        }
+    }
+
     /// A watcher's stream ends after an event that leaves the job terminal.
     pub fn is_terminal(&self) -> bool {
         self.state.is_terminal()

@@ -4,12 +4,23 @@
 //! it from other replicas' `NOTIFY`. A wake-up is only a hint to re-read the
 //! database: waiters also re-read on a timer, so a lost one costs latency,
 //! never a job or an event.
+//!
+//! Events this replica committed for a watched job are also kept here for a
+//! moment, so that its watchers take them from memory instead of each
+//! reading the database after every wake-up (ten thousand streams woken at
+//! once would queue for the connection pool). A watcher uses them only when
+//! they continue its stream without a gap; otherwise it reads.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::{Notify, broadcast};
 use uuid::Uuid;
+
+use crate::domain::JobEvent;
+
+/// Recent events kept per watched job; a watcher further behind reads.
+const RECENT_EVENTS: usize = 16;
 
 /// Fan-out of "something changed" to waiting calls.
 #[derive(Debug)]
@@ -17,8 +28,16 @@ pub struct Notifier {
     /// `tenant/queue` of queues that got runnable jobs. A broadcast, because
     /// every waiting worker of that queue may want to try its claim.
     queues: broadcast::Sender<Arc<str>>,
-    /// One `Notify` per watched job, shared by its watchers.
-    jobs: Mutex<HashMap<Uuid, Arc<Notify>>>,
+    /// One entry per watched job, shared by its watchers.
+    jobs: Mutex<HashMap<Uuid, Arc<Watched>>>,
+}
+
+/// What the watchers of one job share.
+#[derive(Debug, Default)]
+struct Watched {
+    notify: Notify,
+    /// The job's latest committed events, in sequence order.
+    recent: Mutex<VecDeque<JobEvent>>,
 }
 
 impl Default for Notifier {
@@ -61,37 +80,61 @@ impl Notifier {
     pub fn job_changed(&self, id: Uuid) {
         // Notified under the lock: a clone taken out of it would make a
         // concurrent drop believe another watcher is left.
-        if let Some(notify) = self.lock_jobs().get(&id) {
-            notify.notify_waiters();
+        if let Some(watched) = self.lock_jobs().get(&id) {
+            watched.notify.notify_waiters();
+        }
+    }
+
+    /// Keeps committed events of watched jobs for their watchers; call it
+    /// after the commit and before the wake-up. Events of jobs nobody
+    /// watches are not copied.
+    pub fn events_committed<'a>(&self, events: impl IntoIterator<Item = &'a JobEvent>) {
+        let jobs = self.lock_jobs();
+        if jobs.is_empty() {
+            return;
+        }
+        for event in events {
+            if let Some(watched) = jobs.get(&event.job_id) {
+                let mut recent = lock(&watched.recent);
+                if recent.back().is_some_and(|e| e.sequence >= event.sequence) {
+                    // Out of order (two transactions of one job committing
+                    // close together): the watchers read instead.
+                    recent.clear();
+                }
+                if recent.len() == RECENT_EVENTS {
+                    recent.pop_front();
+                }
+                recent.push_back(event.clone());
+            }
         }
     }
 
     /// Wakes every watcher (used when a notification may have been lost).
     pub fn all_jobs_changed(&self) {
-        for notify in self.lock_jobs().values() {
-            notify.notify_waiters();
+        for watched in self.lock_jobs().values() {
+            watched.notify.notify_waiters();
         }
     }
 
     /// Registers interest in a job until the returned guard is dropped.
     pub fn watch_job(self: &Arc<Self>, id: Uuid) -> JobWatch {
-        let notify = self
-            .lock_jobs()
-            .entry(id)
-            .or_insert_with(|| Arc::new(Notify::new()))
-            .clone();
+        let watched = self.lock_jobs().entry(id).or_default().clone();
         JobWatch {
             notifier: Arc::clone(self),
             id,
-            notify,
+            watched,
         }
     }
 
-    fn lock_jobs(&self) -> std::sync::MutexGuard<'_, HashMap<Uuid, Arc<Notify>>> {
+    fn lock_jobs(&self) -> std::sync::MutexGuard<'_, HashMap<Uuid, Arc<Watched>>> {
         // A panic while holding this lock cannot leave the map inconsistent
         // (each operation is a single insert, get or remove).
-        self.jobs.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.jobs)
     }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// A watcher's registration; unregisters on drop.
@@ -99,14 +142,25 @@ impl Notifier {
 pub struct JobWatch {
     notifier: Arc<Notifier>,
     id: Uuid,
-    notify: Arc<Notify>,
+    watched: Arc<Watched>,
 }
 
 impl JobWatch {
     /// The `Notify` to wait on. Call `enable()` on the future before reading
     /// the database so that a wake-up in between is kept.
     pub fn notify(&self) -> &Notify {
-        &self.notify
+        &self.watched.notify
+    }
+
+    /// The kept events right after sequence `after`, when they continue it
+    /// without a gap; empty when the database must be read.
+    pub fn events_after(&self, after: u64) -> Vec<JobEvent> {
+        let recent = lock(&self.watched.recent);
+        let next = recent.iter().position(|e| e.sequence > after);
+        match next {
+            Some(i) if recent[i].sequence == after + 1 => recent.range(i..).cloned().collect(),
+            _ => Vec::new(),
+        }
     }
 }
 
@@ -114,7 +168,7 @@ impl Drop for JobWatch {
     fn drop(&mut self) {
         let mut jobs = self.notifier.lock_jobs();
         // Two references left (the map's and ours) means we are the last watcher.
-        if Arc::strong_count(&self.notify) <= 2 {
+        if Arc::strong_count(&self.watched) <= 2 {
             jobs.remove(&self.id);
         }
     }
@@ -145,6 +199,44 @@ mod tests {
         assert_eq!(notifier.lock_jobs().len(), 1, "still watched by the second");
         drop(second);
         assert!(notifier.lock_jobs().is_empty());
+    }
+
+    fn event(id: Uuid, sequence: u64) -> JobEvent {
+        JobEvent {
+            job_id: id,
+            sequence,
+            kind: crate::domain::EventType::Progress,
+            state: crate::domain::JobState::Running,
+            attempt: 1,
+            worker_id: None,
+            at: chrono::Utc::now(),
+            detail: None,
+        }
+    }
+
+    #[test]
+    fn kept_events_are_handed_out_only_without_a_gap() {
+        let notifier = Arc::new(Notifier::new());
+        let id = Uuid::now_v7();
+        notifier.events_committed([&event(id, 1)]);
+        let watch = notifier.watch_job(id);
+        assert!(watch.events_after(0).is_empty(), "kept only while watched");
+        notifier.events_committed([&event(id, 3), &event(id, 4), &event(Uuid::now_v7(), 5)]);
+        assert!(
+            watch.events_after(1).is_empty(),
+            "2 is missing: read instead"
+        );
+        let seqs = |events: Vec<JobEvent>| events.iter().map(|e| e.sequence).collect::<Vec<_>>();
+        assert_eq!(seqs(watch.events_after(2)), vec![3, 4]);
+        assert_eq!(seqs(watch.events_after(3)), vec![4]);
+        assert!(watch.events_after(4).is_empty());
+        notifier.events_committed([&event(id, 2)]);
+        assert!(watch.events_after(2).is_empty(), "out of order: dropped");
+        for sequence in 5..40 {
+            notifier.events_committed([&event(id, sequence)]);
+        }
+        assert!(watch.events_after(4).is_empty(), "too far behind: read");
+        assert_eq!(watch.events_after(38).len(), 1);
     }
 
     #[tokio::test]

@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 
 use uuid::Uuid;
 
-use crate::domain::{Job, JobState};
+use crate::domain::{Job, JobEvent, JobState};
 use crate::engine::notifier::{Notifier, queue_key};
 
 /// The channel intray's replicas `LISTEN` on.
@@ -24,6 +24,9 @@ const MAX_PAYLOADS: usize = 32;
 pub struct Changes {
     queues: BTreeSet<String>,
     jobs: Vec<Uuid>,
+    /// Events this process wrote, for its own watchers only (other replicas
+    /// read them from the database).
+    events: Vec<JobEvent>,
 }
 
 impl Changes {
@@ -33,6 +36,12 @@ impl Changes {
         if job.state == JobState::Queued {
             self.queues.insert(queue_key(&job.tenant, &job.queue));
         }
+    }
+
+    /// Records a job as it is after the transition, and the event it wrote.
+    pub fn job_event(&mut self, job: &Job, event: &JobEvent) {
+        self.job(job);
+        self.events.push(event.clone());
     }
 
     /// Records a new job: nobody can be watching it yet, but its queue wakes.
@@ -57,6 +66,7 @@ impl Changes {
 
     /// Wakes this process's waiters.
     pub fn wake(&self, notifier: &Notifier) {
+        notifier.events_committed(&self.events);
         for key in &self.queues {
             notifier.queue_ready(key);
         }
@@ -65,7 +75,7 @@ impl Changes {
         }
     }
 
-    /// Adds what another transaction changed.
+    /// Adds what another transaction changed, for the other replicas.
     pub fn merge(&mut self, other: Changes) {
         self.queues.extend(other.queues);
         self.jobs.extend(other.jobs);

@@ -497,7 +497,7 @@ impl PgStore {
         let mut changes = Changes::default();
         if let Some(event) = apply(&mut job, now)? {
             save(&mut tx, &[(&job, &event)]).await?;
-            changes.job(&job);
+            changes.job_event(&job, &event);
         }
         tx.commit().await?;
         self.committed(changes);
@@ -1059,7 +1059,7 @@ impl Store for PgStore {
                 .ok()
                 .and_then(|i| slot_caller.get(i))
                 .ok_or_else(|| corrupt("slot"))?;
-            changes.job(&job);
+            changes.job_event(&job, &JobEvent::leased(&job));
             claimed[*caller].push(job);
         }
         for jobs in &mut claimed {
@@ -1235,7 +1235,7 @@ impl Store for PgStore {
         tx.commit().await?;
         let mut changes = Changes::default();
         for ended in results.iter().flatten() {
-            changes.job(&ended.job);
+            changes.job_event(&ended.job, &ended.event);
         }
         self.committed(changes);
         Ok(results)
@@ -1267,7 +1267,7 @@ impl Store for PgStore {
             let now: DateTime<Utc> = row.try_get("db_now")?;
             let attempt = job.running_attempt();
             let event = transition::lease_expired(&mut job, now);
-            changes.job(&job);
+            changes.job_event(&job, &event);
             reclaimed.push((attempt, job, event));
         }
         let mut past = Vec::with_capacity(past_deadline.len());
@@ -1275,7 +1275,7 @@ impl Store for PgStore {
             let mut job = job_from_row(row)?;
             let now: DateTime<Utc> = row.try_get("db_now")?;
             let event = transition::deadline_passed(&mut job, now);
-            changes.job(&job);
+            changes.job_event(&job, &event);
             past.push((job, event));
         }
         let mut saved: Vec<(&Job, &JobEvent)> = reclaimed

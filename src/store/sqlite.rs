@@ -392,7 +392,7 @@ impl SqliteStore {
         let mut changes = Changes::default();
         if let Some(event) = apply(&mut job, Utc::now())? {
             save(&mut tx, &job, &event).await?;
-            changes.job(&job);
+            changes.job_event(&job, &event);
         }
         self.commit(tx, &changes).await?;
         Ok(job)
@@ -584,20 +584,8 @@ impl SqliteStore {
                 .then(a.id.cmp(&b.id))
         });
         for job in &jobs {
-            insert_event(
-                tx,
-                &JobEvent {
-                    job_id: job.id,
-                    sequence: job.event_seq,
-                    kind: EventType::Leased,
-                    state: JobState::Running,
-                    attempt: job.attempt,
-                    worker_id: job.lease_owner.clone(),
-                    at: job.updated_at,
-                    detail: None,
-                },
-            )
-            .await?;
+            let event = JobEvent::leased(job);
+            insert_event(tx, &event).await?;
             // A job leased from a half-open breaker is its probe.
             sqlx::query(
                 "UPDATE breakers SET probe_job = ?4, updated_at = ?5
@@ -613,7 +601,7 @@ impl SqliteStore {
             .bind(now)
             .execute(&mut **tx)
             .await?;
-            changes.job(job);
+            changes.job_event(job, &event);
         }
         Ok(jobs)
     }
@@ -1022,7 +1010,7 @@ impl Store for SqliteStore {
                     save(&mut tx, &job, &event).await?;
                     self.update_breaker(&mut tx, &job, failure.as_ref(), now)
                         .await?;
-                    changes.job(&job);
+                    changes.job_event(&job, &event);
                     // A successful complete always ended a running attempt.
                     results.push(
                         Ended::new(attempt, job, event)
@@ -1063,7 +1051,7 @@ impl Store for SqliteStore {
             let attempt = job.running_attempt();
             let event = transition::lease_expired(&mut job, now);
             save(&mut tx, &job, &event).await?;
-            changes.job(&job);
+            changes.job_event(&job, &event);
             ended.extend(Ended::new(attempt, job, event));
         }
         let mut expired = Vec::with_capacity(past_deadline.len());
@@ -1071,7 +1059,7 @@ impl Store for SqliteStore {
             let mut job = job_from_row(row)?;
             let event = transition::deadline_passed(&mut job, now);
             save(&mut tx, &job, &event).await?;
-            changes.job(&job);
+            changes.job_event(&job, &event);
             expired.push(event);
         }
         self.commit(tx, &changes).await?;
