@@ -1175,4 +1175,11 @@ impl Store for SqliteStore {
         }
         Ok(depths.into_values().collect())
     }
+
+    fn outbox(&self) -> Arc<dyn super::outbox::Outbox> {
+        Arc::new(super::outbox::SqliteOutbox::new(
+            self.writer.clone(),
+            self.reader.clone(),
+        ))
+    }
 }
