@@ -131,6 +131,7 @@ fn webhook_settings(s: &mut Settings) {
     s.webhooks.backoff =
         Backoff::try_new(Duration::from_millis(100), Duration::from_millis(500)).expect("backoff");
     s.webhooks.poll = Duration::from_millis(100);
+    s.reaper_interval = Duration::from_millis(200);
     s.webhooks.max_body_bytes = 4096;
     s.webhooks.sources.insert(
         "payments".into(),
@@ -271,6 +272,31 @@ async fn ingress_verifies_dedupes_and_refuses(backend: Backend) {
         "{metrics}"
     );
     server.stop().await;
+}
+
+async fn get_json(addr: SocketAddr, path: &str) -> (u16, Value) {
+    let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .expect("handshake");
+    tokio::spawn(conn);
+    let request = hyper::Request::get(path)
+        .header("host", "intray")
+        .header("x-intray-tenant", TENANT)
+        .body(Full::new(Bytes::new()))
+        .expect("request");
+    let response = sender.send_request(request).await.expect("answer");
+    let status = response.status().as_u16();
+    let bytes = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    )
 }
 
 async fn metrics_text(server: &TestServer) -> String {
@@ -493,6 +519,10 @@ async fn callbacks_reach_a_verifying_receiver_after_an_outage(backend: Backend) 
     })
     .await
     .expect("cancel");
+    let mut r = with_callback(4);
+    r.deadline = Some(ts(chrono::Utc::now() + chrono::Duration::seconds(1)));
+    r.queue = "cb-expiring".into();
+    let expired = submit_with(&mut jobs, r).await;
     // No callback: no delivery.
     submit(&mut jobs, "cb-none", "k", json!({})).await;
 
@@ -500,7 +530,7 @@ async fn callbacks_reach_a_verifying_receiver_after_an_outage(backend: Backend) 
     // receiver comes up and answers its first two requests with 503.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let receiver = Receiver::start(port, 2).await;
-    let accepted = receiver.wait_accepted(3).await;
+    let accepted = receiver.wait_accepted(4).await;
     // A moment more: nothing else may arrive.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let lines = receiver.lines();
@@ -523,6 +553,7 @@ async fn callbacks_reach_a_verifying_receiver_after_an_outage(backend: Backend) 
         (&succeeded, "job.succeeded", "JOB_STATE_SUCCEEDED"),
         (&failed, "job.failed", "JOB_STATE_FAILED"),
         (&cancelled, "job.cancelled", "JOB_STATE_CANCELLED"),
+        (&expired, "job.expired", "JOB_STATE_EXPIRED"),
     ] {
         let seen = by_job
             .get(&job.id)
@@ -535,13 +566,23 @@ async fn callbacks_reach_a_verifying_receiver_after_an_outage(backend: Backend) 
     }
     let metrics = metrics_text(&server).await;
     assert!(
-        metrics.contains(r#"intray_webhook_delivery_attempts_total{outcome="delivered"} 3"#),
+        metrics.contains(r#"intray_webhook_delivery_attempts_total{outcome="delivered"} 4"#),
         "{metrics}"
     );
     assert!(
         metrics.contains(r#"intray_webhook_delivery_attempts_total{outcome="retry"}"#),
         "{metrics}"
     );
+    // Each attempt is visible in the job's deliveries listing.
+    let path = format!("/api/v1/jobs/{}/deliveries", succeeded.id);
+    let (status, listing) = get_json(server.http_addr, &path).await;
+    assert_eq!(status, 200, "{listing}");
+    let list = listing["deliveries"].as_array().expect("deliveries");
+    assert_eq!(list.len(), 1, "{listing}");
+    assert_eq!(list[0]["status"], "delivered", "{listing}");
+    assert_eq!(list[0]["last_status"], 204, "{listing}");
+    assert!(list[0]["attempts"].as_u64() >= Some(1), "{listing}");
+    assert_eq!(list[0]["type"], "job.succeeded", "{listing}");
     // Delivery is not on the worker's path: Complete was answered while
     // the receiver was down.
     assert!(

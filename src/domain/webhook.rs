@@ -150,8 +150,11 @@ pub struct Target {
 
 impl Target {
     /// Splits an `http://` or `https://` URL; `None` when it is not one,
-    /// has credentials in it (`user@host`), or has no usable host or port.
+    /// holds whitespace or control characters, has credentials in it (`user@host`), or has no usable host or port.
     pub fn parse(url: &str) -> Option<Target> {
+        if url.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return None;
+        }
         let (tls, rest) = if let Some(rest) = url.strip_prefix("https://") {
             (true, rest)
         } else {
@@ -494,6 +497,8 @@ mod tests {
             "http://host:99999/",
             "http://[nope]/",
             "http://ho st/",
+            "http://host/a b",
+            "http://host/a\nb",
         ] {
             assert_eq!(Target::parse(bad), None, "{bad}");
         }

@@ -54,6 +54,7 @@ pub fn router(gateway: Arc<Gateway>, ingress: Arc<Ingress>, metrics: Arc<Metrics
         .route("/api/v1/jobs:batch", post(jobs::submit_batch))
         .route("/api/v1/jobs/{id}", get(jobs::get).post(jobs::post_on_job))
         .route("/api/v1/jobs/{id}/events", get(sse::events))
+        .route("/api/v1/jobs/{id}/deliveries", get(jobs::deliveries))
         .route("/api/v1/stats", get(jobs::stats))
         .route("/api/v1/queues/{queue}", post(jobs::post_on_queue))
         .route("/api/v1/openapi.json", get(openapi::serve))
