@@ -1,10 +1,11 @@
 -- Completion callbacks (issue 7): an outbox of deliveries.
 --
--- A delivery row is written by a trigger on the terminal event of a job
--- that has a callback_url, so it commits in the transaction of the
--- transition, whichever path (Complete, Cancel, the reaper) wrote the
--- event. The trigger fires only for terminal events (WHEN clause); for a
--- job without a callback it costs one primary-key lookup.
+-- A delivery row is written by a trigger on the update that moves a job
+-- with a callback_url into a terminal state, so it commits in the
+-- transaction of the transition whichever path (Complete, Cancel, the
+-- reaper) made it. The WHEN clause filters in the executor: for a job
+-- without a callback, and for every non-terminal update (heartbeats), no
+-- function is called at all.
 CREATE TABLE webhook_deliveries (
     webhook_id      TEXT PRIMARY KEY,            -- 'evt_<job id>_<sequence>': stable across retries
     job_id          UUID NOT NULL REFERENCES jobs (id) ON DELETE CASCADE,
@@ -30,17 +31,20 @@ CREATE INDEX jobs_callback_finished ON jobs (finished_at) WHERE callback_url IS 
 
 CREATE FUNCTION intray_webhook_outbox() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
+    -- event_seq is the terminal event's sequence (written with it); the
+    -- terminal states and event types share their names.
     INSERT INTO webhook_deliveries (webhook_id, job_id, sequence, tenant, event_type, url,
                                     next_attempt_at, created_at)
-    SELECT 'evt_' || j.id || '_' || NEW.sequence, j.id, NEW.sequence, j.tenant, NEW.type,
-           j.callback_url, NEW.at, NEW.at
-    FROM jobs j
-    WHERE j.id = NEW.job_id AND j.callback_url IS NOT NULL
+    VALUES ('evt_' || NEW.id || '_' || NEW.event_seq, NEW.id, NEW.event_seq, NEW.tenant,
+            NEW.state, NEW.callback_url, now(), now())
     ON CONFLICT DO NOTHING;
     RETURN NULL;
 END
 $$;
 
-CREATE TRIGGER job_events_webhook_outbox AFTER INSERT ON job_events
-    FOR EACH ROW WHEN (NEW.type IN ('succeeded', 'failed', 'cancelled', 'expired'))
+CREATE TRIGGER jobs_webhook_outbox AFTER UPDATE ON jobs
+    FOR EACH ROW
+    WHEN (NEW.callback_url IS NOT NULL
+          AND NEW.state IN ('succeeded', 'failed', 'cancelled', 'expired')
+          AND OLD.state IS DISTINCT FROM NEW.state)
     EXECUTE FUNCTION intray_webhook_outbox();

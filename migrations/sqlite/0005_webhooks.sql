@@ -1,7 +1,7 @@
 -- Completion callbacks (issue 7): an outbox of deliveries, written by a
--- trigger on the terminal event of a job with a callback_url, so it commits
--- in the transaction of the transition whichever path wrote the event.
--- Timestamps are Unix milliseconds.
+-- trigger on the update that moves a job with a callback_url into a
+-- terminal state, so it commits in the transaction of the transition
+-- whichever path made it. Timestamps are Unix milliseconds.
 CREATE TABLE webhook_deliveries (
     webhook_id      TEXT PRIMARY KEY,            -- 'evt_<job id>_<sequence>': stable across retries
     job_id          TEXT NOT NULL REFERENCES jobs (id) ON DELETE CASCADE,
@@ -23,13 +23,15 @@ CREATE INDEX webhook_deliveries_due ON webhook_deliveries (next_attempt_at) WHER
 
 CREATE INDEX jobs_callback_finished ON jobs (finished_at) WHERE callback_url IS NOT NULL;
 
-CREATE TRIGGER job_events_webhook_outbox AFTER INSERT ON job_events
-WHEN NEW.type IN ('succeeded', 'failed', 'cancelled', 'expired')
+-- event_seq is the terminal event's sequence (written with it); the
+-- terminal states and event types share their names.
+CREATE TRIGGER jobs_webhook_outbox AFTER UPDATE ON jobs
+WHEN NEW.callback_url IS NOT NULL
+     AND NEW.state IN ('succeeded', 'failed', 'cancelled', 'expired')
+     AND OLD.state IS NOT NEW.state
 BEGIN
     INSERT OR IGNORE INTO webhook_deliveries (webhook_id, job_id, sequence, tenant, event_type, url,
                                               next_attempt_at, created_at)
-    SELECT 'evt_' || j.id || '_' || NEW.sequence, j.id, NEW.sequence, j.tenant, NEW.type,
-           j.callback_url, NEW.at, NEW.at
-    FROM jobs j
-    WHERE j.id = NEW.job_id AND j.callback_url IS NOT NULL;
+    VALUES ('evt_' || NEW.id || '_' || NEW.event_seq, NEW.id, NEW.event_seq, NEW.tenant,
+            NEW.state, NEW.callback_url, NEW.updated_at, NEW.updated_at);
 END;

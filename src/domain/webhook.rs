@@ -117,7 +117,8 @@ impl Secret {
             return Err(VerifyError::Headers);
         }
         let timestamp: i64 = timestamp.trim().parse().map_err(|_| VerifyError::Headers)?;
-        if (now - timestamp).abs() > TIMESTAMP_TOLERANCE_SECS {
+        // abs_diff: a timestamp near i64::MIN must not overflow.
+        if now.abs_diff(timestamp) > TIMESTAMP_TOLERANCE_SECS.unsigned_abs() {
             return Err(VerifyError::Stale);
         }
         let mac = self.mac(id, timestamp, body);
@@ -417,6 +418,16 @@ mod tests {
         );
         assert_eq!(
             s.verify(SPEC_ID, &ts, SPEC_SIGNATURE, body, SPEC_TS - 301),
+            Err(VerifyError::Stale)
+        );
+        assert_eq!(
+            s.verify(
+                SPEC_ID,
+                &i64::MIN.to_string(),
+                SPEC_SIGNATURE,
+                body,
+                SPEC_TS
+            ),
             Err(VerifyError::Stale)
         );
         assert_eq!(

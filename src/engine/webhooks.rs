@@ -14,10 +14,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Bytes;
 use chrono::Utc;
 use http_body_util::Full;
 use hyper::Request;
+use hyper::body::Bytes;
 use hyper::http::header;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite};

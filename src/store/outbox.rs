@@ -1,9 +1,10 @@
 //! The webhook outbox: delivery rows of completion callbacks.
 //!
-//! Rows are written by a database trigger on terminal events (migrations
-//! `0006_webhooks.sql` / `0005_webhooks.sql`), so they commit with the
-//! transition; this module only claims, records and lists them, and sweeps
-//! up terminal jobs that have none (jobs finished before the migration).
+//! Rows are written by a database trigger on the update that makes a job
+//! with a callback terminal (migrations `0006_webhooks.sql` on PostgreSQL,
+//! `0005_webhooks.sql` on SQLite), so they commit with the transition; this
+//! module only claims, records and lists them, and sweeps up terminal jobs
+//! that have none (jobs finished before the migration).
 
 use std::time::Duration;
 
