@@ -72,42 +72,54 @@ fn sign(secret: &str, id: &str, timestamp: i64, body: &[u8]) -> String {
     format!("v1,{}", B64.encode(mac.finalize().into_bytes()))
 }
 
+/// One request on a fresh HTTP/1.1 connection: the status and the body.
+async fn send(
+    addr: SocketAddr,
+    request: hyper::http::request::Builder,
+    body: Vec<u8>,
+) -> (u16, Bytes) {
+    let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .expect("HTTP/1.1 handshake");
+    tokio::spawn(conn);
+    let request = request
+        .header("host", "intray")
+        .body(Full::new(Bytes::from(body)))
+        .expect("request");
+    let response = within(
+        Duration::from_secs(20),
+        "an HTTP answer",
+        sender.send_request(request),
+    )
+    .await
+    .expect("the server answers");
+    let status = response.status().as_u16();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    (status, body)
+}
+
+fn json_of(bytes: &[u8]) -> Value {
+    serde_json::from_slice(bytes).unwrap_or(Value::Null)
+}
+
 async fn post(
     addr: SocketAddr,
     path: &str,
     headers: &[(&str, String)],
     body: Vec<u8>,
 ) -> (u16, Value) {
-    let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .expect("HTTP/1.1 handshake");
-    tokio::spawn(conn);
-    let mut request = hyper::Request::post(path)
-        .header("host", "intray")
-        .header("content-type", "application/json");
+    let mut request = hyper::Request::post(path).header("content-type", "application/json");
     for (name, value) in headers {
         request = request.header(*name, value);
     }
-    let request = request.body(Full::new(Bytes::from(body))).expect("request");
-    let response = within(
-        Duration::from_secs(20),
-        "ingress answer",
-        sender.send_request(request),
-    )
-    .await
-    .expect("ingress answers");
-    let status = response.status().as_u16();
-    let bytes = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
-    (
-        status,
-        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-    )
+    let (status, body) = send(addr, request, body).await;
+    (status, json_of(&body))
 }
 
 async fn post_signed(
@@ -276,50 +288,19 @@ async fn ingress_verifies_dedupes_and_refuses(backend: Backend) {
 }
 
 async fn get_json(addr: SocketAddr, path: &str) -> (u16, Value) {
-    let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .expect("handshake");
-    tokio::spawn(conn);
-    let request = hyper::Request::get(path)
-        .header("host", "intray")
-        .header("x-intray-tenant", TENANT)
-        .body(Full::new(Bytes::new()))
-        .expect("request");
-    let response = sender.send_request(request).await.expect("answer");
-    let status = response.status().as_u16();
-    let bytes = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
-    (
-        status,
-        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-    )
+    let request = hyper::Request::get(path).header("x-intray-tenant", TENANT);
+    let (status, body) = send(addr, request, Vec::new()).await;
+    (status, json_of(&body))
 }
 
 async fn metrics_text(server: &TestServer) -> String {
-    let stream = tokio::net::TcpStream::connect(server.http_addr)
-        .await
-        .expect("connect");
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .expect("handshake");
-    tokio::spawn(conn);
-    let request = hyper::Request::get("/metrics")
-        .header("host", "intray")
-        .body(Full::new(Bytes::new()))
-        .expect("request");
-    let response = sender.send_request(request).await.expect("metrics");
-    let bytes = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
-    String::from_utf8_lossy(&bytes).into_owned()
+    let (_, body) = send(
+        server.http_addr,
+        hyper::Request::get("/metrics"),
+        Vec::new(),
+    )
+    .await;
+    String::from_utf8_lossy(&body).into_owned()
 }
 
 // ---------------------------------------------------------------------------
@@ -328,19 +309,6 @@ async fn metrics_text(server: &TestServer) -> String {
 
 fn manifest_dir() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn run(cmd: &mut StdCommand, what: &str) {
-    let output = cmd.output().unwrap_or_else(|e| {
-        panic!("{what}: cannot run {cmd:?}: {e} (install python3 with venv and pip)")
-    });
-    assert!(
-        output.status.success(),
-        "{what}: {cmd:?} failed with {}\nstdout:\n{}\nstderr:\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
 }
 
 /// The virtualenv's python, made once per run and reused while the
@@ -359,11 +327,11 @@ fn python() -> &'static PathBuf {
             // leaves no half-made venv to be reused.
             let fresh = tmp.join(format!("webhooks-venv.{}", std::process::id()));
             let _ = std::fs::remove_dir_all(&fresh);
-            run(
+            run_setup(
                 StdCommand::new("python3").arg("-m").arg("venv").arg(&fresh),
                 "create the virtualenv",
             );
-            run(
+            run_setup(
                 StdCommand::new(fresh.join("bin/python"))
                     .args([
                         "-m",
