@@ -244,6 +244,11 @@ pub struct ServeArgs {
     #[arg(long, env = "INTRAY_WEBHOOK_BACKOFF_MAX", default_value = "1h", value_parser = duration)]
     pub webhook_backoff_max: Duration,
 
+    /// PEM CA certificates for https callbacks (default: SSL_CERT_FILE, else
+    /// /etc/ssl/certs/ca-certificates.crt).
+    #[arg(long, env = "INTRAY_WEBHOOK_CA_FILE", value_name = "PATH")]
+    pub webhook_ca_file: Option<PathBuf>,
+
     /// Largest body accepted by POST /hooks/{source}.
     #[arg(long, env = "INTRAY_WEBHOOK_MAX_BODY_BYTES", default_value_t = 256 * 1024)]
     pub webhook_max_body_bytes: usize,
@@ -334,6 +339,7 @@ impl ServeArgs {
             crate::domain::Backoff::try_new(self.webhook_backoff_initial, self.webhook_backoff_max)
                 .map_err(|e| format!("--webhook-backoff-{e}"))?;
         s.webhooks.max_body_bytes = self.webhook_max_body_bytes;
+        s.webhooks.ca_file = self.webhook_ca_file.clone();
         if let Some(path) = &self.webhooks_file {
             s.webhooks.load_file(path).map_err(|e| e.to_string())?;
         }

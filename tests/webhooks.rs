@@ -13,7 +13,8 @@
 //!   503: every event still arrives, each webhook-id accepted once. A real
 //!   `intray serve` killed with SIGKILL after the transition and before any
 //!   delivery still delivers once restarted, and its reconciliation sweep
-//!   writes a delivery row that went missing.
+//!   writes a delivery row that went missing. Over `https`, the receiver's
+//!   certificate is checked against the configured CA.
 //!
 //! A missing python3, venv module or pip fails the test: it never skips.
 
@@ -48,6 +49,7 @@ use tokio::process::{Child, Command};
 
 common::backend_tests!(
     ingress_verifies_dedupes_and_refuses,
+    callbacks_over_https_check_the_receiver_certificate,
     callbacks_reach_a_verifying_receiver_after_an_outage,
     callbacks_survive_a_server_killed_before_delivery,
 );
@@ -360,9 +362,15 @@ struct Receiver {
 
 impl Receiver {
     async fn start(port: u16, fail_first: u32) -> Receiver {
+        Receiver::start_with(port, fail_first, &[]).await
+    }
+
+    /// With `tls` = [certificate file, key file] it speaks HTTPS.
+    async fn start_with(port: u16, fail_first: u32, tls: &[&Path]) -> Receiver {
         let mut child = Command::new(python())
             .arg(manifest_dir().join("tests/webhooks/receiver.py"))
             .args([SECRET.to_owned(), port.to_string(), fail_first.to_string()])
+            .args(tls)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .kill_on_drop(true)
@@ -509,6 +517,16 @@ async fn callbacks_reach_a_verifying_receiver_after_an_outage(backend: Backend) 
     })
     .await
     .expect("cancel");
+    // Lease lost on the last attempt: the reaper fails it.
+    let mut r = with_callback(5);
+    r.max_attempts = Some(1);
+    r.queue = "cb-abandoned".into();
+    let abandoned = submit_with(&mut jobs, r).await;
+    let mut lease = lease_req("w", "cb-abandoned", 1, Duration::from_secs(5));
+    lease.lease_duration = Some(secs(1));
+    let leased = workers.lease(lease).await.expect("lease").into_inner().jobs;
+    assert_eq!(leased.len(), 1);
+
     let mut r = with_callback(4);
     r.deadline = Some(ts(chrono::Utc::now() + chrono::Duration::seconds(1)));
     r.queue = "cb-expiring".into();
@@ -523,7 +541,7 @@ async fn callbacks_reach_a_verifying_receiver_after_an_outage(backend: Backend) 
     let replica = server.start_replica().await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let receiver = Receiver::start(port, 2).await;
-    let accepted = receiver.wait_accepted(4).await;
+    let accepted = receiver.wait_accepted(5).await;
     // A moment more: nothing else may arrive.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let lines = receiver.lines();
@@ -552,6 +570,7 @@ async fn callbacks_reach_a_verifying_receiver_after_an_outage(backend: Backend) 
         (&failed, "job.failed", "JOB_STATE_FAILED"),
         (&cancelled, "job.cancelled", "JOB_STATE_CANCELLED"),
         (&expired, "job.expired", "JOB_STATE_EXPIRED"),
+        (&abandoned, "job.failed", "JOB_STATE_FAILED"),
     ] {
         let seen = by_job
             .get(&job.id)
@@ -575,7 +594,7 @@ async fn callbacks_reach_a_verifying_receiver_after_an_outage(backend: Backend) 
             *attempts.entry(outcome).or_insert(0.0) += n;
         }
     }
-    assert_eq!(attempts["delivered"], 4.0, "{attempts:?}");
+    assert_eq!(attempts["delivered"], 5.0, "{attempts:?}");
     assert_eq!(attempts["failed"], 0.0, "{attempts:?}");
     // At least the two 503s and the refused connections were retried.
     assert!(attempts["retry"] >= 2.0, "{attempts:?}");
@@ -597,6 +616,56 @@ async fn callbacks_reach_a_verifying_receiver_after_an_outage(backend: Backend) 
     );
     receiver.stop().await;
     replica.stop().await;
+    server.stop().await;
+}
+
+async fn callbacks_over_https_check_the_receiver_certificate(backend: Backend) {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
+    let _ = python();
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let mut params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params
+        .distinguished_name
+        .push(DnType::CommonName, "webhooks test CA");
+    let ca = CertifiedIssuer::self_signed(params, KeyPair::generate().expect("key")).expect("CA");
+    let key = KeyPair::generate().expect("key");
+    let leaf = CertificateParams::new(vec!["localhost".to_owned()])
+        .expect("leaf params")
+        .signed_by(&key, &ca)
+        .expect("leaf");
+    let file = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).expect("write PEM");
+        path
+    };
+    let ca_file = file("ca.pem", &ca.pem());
+    let cert_file = file("leaf.pem", &leaf.pem());
+    let key_file = file("leaf.key", &key.serialize_pem());
+
+    let port = free_port();
+    let server = TestServer::start_with(backend, |s| {
+        webhook_settings(s);
+        s.webhooks.ca_file = Some(ca_file.clone());
+    })
+    .await;
+    let receiver = Receiver::start_with(port, 0, &[&cert_file, &key_file]).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let mut workers = server.workers_client(TENANT);
+    // `localhost` resolves to 127.0.0.1, which the allow-list permits; the
+    // certificate is checked for that name against the configured CA.
+    let mut r = submit_req("tls", "k", json!({}));
+    r.callback_url = format!("https://localhost:{port}/cb");
+    let job = submit_with(&mut jobs, r).await;
+    let leased = lease_one(&mut workers, "w", "tls").await;
+    complete_ok(&mut workers, &leased).await;
+    let accepted = receiver.wait_accepted(1).await;
+    let seen = accepted.values().next().expect("one callback");
+    assert_eq!(
+        (seen[0][0].as_str(), seen[0][2].as_str()),
+        ("job.succeeded", job.id.as_str())
+    );
+    receiver.stop().await;
     server.stop().await;
 }
 

@@ -3,7 +3,7 @@
 //! timings (from flags).
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -70,6 +70,9 @@ pub struct WebhookSettings {
     pub poll: Duration,
     /// Largest ingress body.
     pub max_body_bytes: usize,
+    /// PEM CA certificates that `https` callbacks are checked against;
+    /// `None`: `SSL_CERT_FILE`, else the system bundle.
+    pub ca_file: Option<PathBuf>,
 }
 
 impl Default for WebhookSettings {
@@ -87,6 +90,7 @@ impl Default for WebhookSettings {
             },
             poll: Duration::from_secs(1),
             max_body_bytes: 256 * 1024,
+            ca_file: None,
         }
     }
 }

@@ -39,7 +39,8 @@ use crate::telemetry::Metrics;
 const BATCH: u32 = 32;
 /// How often terminal jobs without a delivery row are looked for.
 const SWEEP_EVERY: Duration = Duration::from_secs(60);
-/// CA bundle used for `https` callbacks unless `SSL_CERT_FILE` names one.
+/// CA bundle of `https` callbacks when neither the settings nor
+/// `SSL_CERT_FILE` name one.
 const SYSTEM_ROOTS: &str = "/etc/ssl/certs/ca-certificates.crt";
 
 /// Turns a job into the JSON the API shows for it (the proto3 JSON mapping
@@ -79,16 +80,18 @@ pub struct Dispatcher {
 
 impl Dispatcher {
     /// A dispatcher over `store`'s outbox. `https` callbacks are checked
-    /// against the CA bundle of `SSL_CERT_FILE` or the system's; without
-    /// one they fail (logged here once).
+    /// against the configured CA file, else `SSL_CERT_FILE`, else the
+    /// system bundle; without one they fail (logged here once).
     pub fn new(
         store: Arc<dyn Store>,
         render: RenderJob,
         settings: WebhookSettings,
         metrics: Arc<Metrics>,
     ) -> Dispatcher {
-        let roots = std::env::var_os("SSL_CERT_FILE")
-            .map(PathBuf::from)
+        let roots = settings
+            .ca_file
+            .clone()
+            .or_else(|| std::env::var_os("SSL_CERT_FILE").map(PathBuf::from))
             .unwrap_or_else(|| PathBuf::from(SYSTEM_ROOTS));
         let tls = match tls_connector(&roots) {
             Ok(tls) => Some(tls),

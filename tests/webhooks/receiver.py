@@ -6,9 +6,11 @@ intray's code), dedupes by webhook-id, and prints one line per request:
 `DUPLICATE id` after that, `REJECT reason` for a bad signature, `FAIL id`
 for each of the first N requests it refuses with 503 (argv[3]).
 
-Usage: receiver.py SECRET PORT [FAIL_FIRST]
+Usage: receiver.py SECRET PORT [FAIL_FIRST [CERT KEY]]
+  CERT, KEY: PEM files; the receiver then speaks HTTPS.
 """
 
+import ssl
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -68,5 +70,9 @@ class Handler(BaseHTTPRequestHandler):
 
 
 server = ThreadingHTTPServer(("127.0.0.1", PORT), Handler)
+if len(sys.argv) > 5:
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(sys.argv[4], sys.argv[5])
+    server.socket = tls.wrap_socket(server.socket, server_side=True)
 print("READY", flush=True)
 server.serve_forever()
