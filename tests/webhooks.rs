@@ -50,6 +50,7 @@ use tokio::process::{Child, Command};
 common::backend_tests!(
     ingress_verifies_dedupes_and_refuses,
     callbacks_over_https_check_the_receiver_certificate,
+    callbacks_to_names_of_private_addresses_are_refused_at_delivery,
     callbacks_reach_a_verifying_receiver_after_an_outage,
     callbacks_survive_a_server_killed_before_delivery,
 );
@@ -666,6 +667,41 @@ async fn callbacks_over_https_check_the_receiver_certificate(backend: Backend) {
         ("job.succeeded", job.id.as_str())
     );
     receiver.stop().await;
+    server.stop().await;
+}
+
+async fn callbacks_to_names_of_private_addresses_are_refused_at_delivery(backend: Backend) {
+    // No allow-list: `localhost` passes Submit (a name), but it resolves to
+    // loopback, so the delivery is refused after resolution (DNS rebinding)
+    // and fails for good without a request.
+    let server = TestServer::start_with(backend, |s| {
+        webhook_settings(s);
+        s.webhooks.allow = AddressPolicy::default();
+    })
+    .await;
+    let mut jobs = server.jobs_client(TENANT);
+    let mut workers = server.workers_client(TENANT);
+    let mut r = submit_req("ssrf", "k", json!({}));
+    r.callback_url = "http://localhost:9/".into();
+    let job = submit_with(&mut jobs, r).await;
+    let leased = lease_one(&mut workers, "w", "ssrf").await;
+    complete_ok(&mut workers, &leased).await;
+    let path = format!("/api/v1/jobs/{}/deliveries", job.id);
+    let started = Instant::now();
+    let delivery = loop {
+        let (status, listing) = get_json(server.http_addr, &path).await;
+        assert_eq!(status, 200, "{listing}");
+        let delivery = listing["deliveries"][0].clone();
+        if delivery["status"] == "failed" {
+            break delivery;
+        }
+        assert!(started.elapsed() < LONG, "{listing}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(delivery["attempts"], 1, "{delivery}");
+    assert_eq!(delivery["last_status"], Value::Null, "{delivery}");
+    let error = delivery["last_error"].as_str().expect("last_error");
+    assert!(error.contains("no allowed address"), "{error}");
     server.stop().await;
 }
 
