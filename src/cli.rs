@@ -226,6 +226,36 @@ pub struct ServeArgs {
     /// How often the queue gauges of /metrics are read from the database.
     #[arg(long, env = "INTRAY_METRICS_REFRESH", default_value = "15s", value_parser = duration)]
     pub metrics_refresh: Duration,
+
+    /// JSON file with the webhook secrets per tenant, the callback
+    /// allow-list and the ingress sources (README, "Webhooks").
+    #[arg(long, env = "INTRAY_WEBHOOKS_FILE", value_name = "PATH")]
+    pub webhooks_file: Option<PathBuf>,
+
+    /// Longest a completion callback request may take.
+    #[arg(long, env = "INTRAY_WEBHOOK_TIMEOUT", default_value = "10s", value_parser = duration)]
+    pub webhook_timeout: Duration,
+
+    /// How long a completion callback is retried before it is marked failed.
+    #[arg(long, env = "INTRAY_WEBHOOK_RETRY_WINDOW", default_value = "24h", value_parser = duration)]
+    pub webhook_retry_window: Duration,
+
+    /// Base of the callback retry backoff (exponential, full jitter).
+    #[arg(long, env = "INTRAY_WEBHOOK_BACKOFF_INITIAL", default_value = "1s", value_parser = duration)]
+    pub webhook_backoff_initial: Duration,
+
+    /// Cap of the callback retry backoff.
+    #[arg(long, env = "INTRAY_WEBHOOK_BACKOFF_MAX", default_value = "1h", value_parser = duration)]
+    pub webhook_backoff_max: Duration,
+
+    /// PEM CA certificates for https callbacks (default: SSL_CERT_FILE, else
+    /// /etc/ssl/certs/ca-certificates.crt).
+    #[arg(long, env = "INTRAY_WEBHOOK_CA_FILE", value_name = "PATH")]
+    pub webhook_ca_file: Option<PathBuf>,
+
+    /// Largest body accepted by POST /hooks/{source}.
+    #[arg(long, env = "INTRAY_WEBHOOK_MAX_BODY_BYTES", default_value_t = 256 * 1024)]
+    pub webhook_max_body_bytes: usize,
 }
 
 impl ServeArgs {
@@ -311,6 +341,19 @@ impl ServeArgs {
         }
         s.slow_attempt = self.slow_attempt;
         s.metrics_refresh = self.metrics_refresh;
+        if self.webhook_timeout.is_zero() || self.webhook_retry_window.is_zero() {
+            return Err("--webhook-timeout and --webhook-retry-window must be above zero".into());
+        }
+        s.webhooks.timeout = self.webhook_timeout;
+        s.webhooks.retry_window = self.webhook_retry_window;
+        s.webhooks.backoff =
+            crate::domain::Backoff::try_new(self.webhook_backoff_initial, self.webhook_backoff_max)
+                .map_err(|e| format!("--webhook-backoff-{e}"))?;
+        s.webhooks.max_body_bytes = self.webhook_max_body_bytes;
+        s.webhooks.ca_file = self.webhook_ca_file.clone();
+        if let Some(path) = &self.webhooks_file {
+            s.webhooks.load_file(path).map_err(|e| e.to_string())?;
+        }
         Ok(s)
     }
 }

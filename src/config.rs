@@ -1,5 +1,7 @@
 //! Typed server settings with the defaults of SPEC section 3.
 
+pub mod webhooks;
+
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -78,6 +80,8 @@ pub struct Settings {
     pub slow_attempt: Duration,
     /// How often the database gauges of `/metrics` are refreshed.
     pub metrics_refresh: Duration,
+    /// Completion callbacks and the webhook ingress.
+    pub webhooks: webhooks::WebhookSettings,
 }
 
 /// Certificate files of the gRPC port. Reloaded when they change.
@@ -141,6 +145,7 @@ impl Settings {
             tracing: crate::telemetry::Tracing::off(),
             slow_attempt: Duration::from_secs(8),
             metrics_refresh: Duration::from_secs(15),
+            webhooks: webhooks::WebhookSettings::default(),
         }
     }
 }

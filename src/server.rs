@@ -136,6 +136,7 @@ pub async fn run_with(
         settings.http2_keepalive_timeout,
     );
     let retention = settings.retention;
+    let webhooks = settings.webhooks.clone();
     let ctx = Context::new(
         Arc::clone(&store),
         notifier,
@@ -183,14 +184,27 @@ pub async fn run_with(
         metrics_refresh,
         stop.clone(),
     ));
+    let dispatcher = Arc::new(crate::engine::webhooks::Dispatcher::new(
+        Arc::clone(&store),
+        Arc::new(crate::api::job_json),
+        webhooks.clone(),
+        Arc::clone(&metrics),
+    ));
+    let dispatcher_task = tokio::spawn(dispatcher.run(stop.clone()));
     let http_task = http.map(|listener| {
+        let ingress = crate::http::Ingress::new(
+            webhooks.sources,
+            webhooks.max_body_bytes,
+            Arc::clone(&jobs_api),
+            Arc::clone(&metrics),
+        );
         let gateway = crate::http::Gateway::new(
             jobs_api,
             Arc::clone(&tokens),
             http_limits,
             Arc::clone(&metrics),
         );
-        let app = crate::http::router(Arc::new(gateway), metrics);
+        let app = crate::http::router(Arc::new(gateway), Arc::new(ingress), metrics);
         tokio::spawn(crate::http::serve(listener, app, tls.clone(), stop.clone()))
     });
     let mut watchers = Vec::new();
@@ -285,6 +299,9 @@ pub async fn run_with(
     stop.cancel();
     if let Err(err) = reaper_task.await {
         tracing::error!(error = %err, "reaper task failed");
+    }
+    if let Err(err) = dispatcher_task.await {
+        tracing::error!(error = %err, "webhook dispatcher task failed");
     }
     if let Err(err) = gauges_task.await {
         tracing::error!(error = %err, "metrics timer task failed");

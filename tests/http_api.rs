@@ -856,6 +856,7 @@ async fn openapi_lists_every_route_the_router_serves(backend: Backend) {
         "GET /api/v1/jobs/{id}",
         "POST /api/v1/jobs/{id}:cancel",
         "GET /api/v1/jobs/{id}/events",
+        "GET /api/v1/jobs/{id}/deliveries",
         "POST /api/v1/jobs:retry",
         "POST /api/v1/jobs:batch",
         "GET /api/v1/stats",

@@ -36,20 +36,6 @@ fn manifest_dir() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// Runs a setup command; on failure the panic says what was run and why.
-fn run(cmd: &mut StdCommand, what: &str) {
-    let output = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("{what}: cannot run {cmd:?}: {e}"));
-    assert!(
-        output.status.success(),
-        "{what}: {cmd:?} failed with {}\nstdout:\n{}\nstderr:\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-}
-
 /// Makes (or reuses) the virtualenv and generates the stubs, once per run.
 fn python_env() -> &'static PythonEnv {
     static ENV: OnceLock<PythonEnv> = OnceLock::new();
@@ -77,7 +63,7 @@ fn python_env() -> &'static PythonEnv {
             // way leaves no half-made venv behind to be reused.
             let fresh = tmp.join(format!("python-worker-venv.{}", std::process::id()));
             let _ = std::fs::remove_dir_all(&fresh);
-            run(
+            run_setup(
                 StdCommand::new("python3").args(["-m", "venv"]).arg(&fresh),
                 "creating the virtualenv (is python3-venv installed?)",
             );
@@ -90,7 +76,7 @@ fn python_env() -> &'static PythonEnv {
                 "pip is missing in the virtualenv {}: install pip for python3 (Debian: apt-get install python3-pip python3-venv)",
                 fresh.display()
             );
-            run(
+            run_setup(
                 StdCommand::new(fresh.join("bin/python"))
                     .args(["-m", "pip", "install", "--quiet", "-r"])
                     .arg(&requirements_path),
@@ -104,7 +90,7 @@ fn python_env() -> &'static PythonEnv {
         let stubs = tmp.join(format!("python-worker-stubs.{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&stubs);
         std::fs::create_dir_all(&stubs).expect("create the stubs folder");
-        run(
+        run_setup(
             StdCommand::new(&python)
                 .current_dir(manifest_dir())
                 .args(["-m", "grpc_tools.protoc", "-I", "proto"])

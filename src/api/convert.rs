@@ -325,6 +325,22 @@ pub fn stats(s: &Stats) -> pb::StatsResponse {
     }
 }
 
+/// A completion-callback delivery as the deliveries listing shows it.
+pub fn delivery(d: &crate::store::outbox::Delivery) -> serde_json::Value {
+    serde_json::json!({
+        "webhook_id": d.webhook_id,
+        "sequence": d.sequence,
+        "type": crate::domain::webhook::callback_type(&d.event_type),
+        "url": d.url,
+        "status": d.status.as_str(),
+        "attempts": d.attempts,
+        "created_at": d.created_at.to_rfc3339(),
+        "last_attempt_at": d.last_attempt_at.map(|t| t.to_rfc3339()),
+        "last_status": d.last_status,
+        "last_error": d.last_error,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

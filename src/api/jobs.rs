@@ -47,6 +47,23 @@ impl JobsApi {
         Ok(queue)
     }
 
+    /// A job's completion-callback deliveries as JSON, for
+    /// `GET /api/v1/jobs/{id}/deliveries` (not in the proto: an HTTP-face
+    /// listing). `NOT_FOUND` for an unknown job or another tenant's.
+    pub async fn deliveries(
+        &self,
+        request: Request<pb::GetJobRequest>,
+    ) -> Result<Response<serde_json::Value>, Status> {
+        let tenant = tenant_of(&request)?;
+        let id = job_id(&request.get_ref().id)?;
+        self.ctx.store.get(&tenant, id).await?;
+        let deliveries = self.ctx.store.outbox().list(&tenant, id).await?;
+        let deliveries: Vec<serde_json::Value> = deliveries.iter().map(convert::delivery).collect();
+        Ok(Response::new(
+            serde_json::json!({ "deliveries": deliveries }),
+        ))
+    }
+
     fn validate_submit(&self, request: pb::SubmitRequest) -> Result<NewJob, ValidationError> {
         let input = convert::submit_input(request)?;
         validate::submit(input, &self.ctx.limits, Utc::now())

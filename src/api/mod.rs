@@ -10,6 +10,12 @@ mod tenant;
 mod workers;
 
 pub use jobs::JobsApi;
+
+/// A job as the API shows it (the proto3 JSON mapping of `Job`), for the
+/// bodies of completion callbacks.
+pub fn job_json(job: &crate::domain::Job) -> serde_json::Value {
+    serde_json::to_value(convert::job(job)).unwrap_or(serde_json::Value::Null)
+}
 pub use workers::WorkersApi;
 
 use std::sync::Arc;
@@ -54,6 +60,7 @@ impl Context {
             max_payload_bytes: settings.max_payload_bytes,
             default_lease: settings.default_lease,
             max_lease: settings.max_lease,
+            callbacks: settings.webhooks.allow.clone(),
         };
         Ok(Context {
             batchers: Arc::new(Batchers::start(

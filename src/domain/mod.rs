@@ -7,6 +7,7 @@ pub mod breaker;
 pub mod hash;
 pub mod transition;
 pub mod validate;
+pub mod webhook;
 
 use std::collections::BTreeMap;
 use std::fmt;

@@ -9,6 +9,7 @@ use serde_json::Value;
 use uuid::Uuid;
 
 use super::hash::{HashInput, input_hash};
+use super::webhook::{AddressPolicy, Target};
 use super::{
     Backoff, CompleteSpec, HeartbeatSpec, JobError, JobState, LeaseSpec, ListFilter, NewJob,
     Outcome, RetryFilter,
@@ -43,6 +44,8 @@ pub struct Limits {
     pub max_payload_bytes: usize,
     pub default_lease: Duration,
     pub max_lease: Duration,
+    /// Which non-public addresses a `callback_url` may name.
+    pub callbacks: AddressPolicy,
 }
 
 /// Largest number of attempts a job may have.
@@ -203,22 +206,22 @@ fn labels(field: &str, labels: &BTreeMap<String, String>) -> Result<()> {
     Ok(())
 }
 
-fn callback_url(value: &str) -> Result<Option<String>> {
+fn callback_url(value: &str, policy: &AddressPolicy) -> Result<Option<String>> {
     if value.is_empty() {
         return Ok(None);
     }
-    let rest = value
-        .strip_prefix("https://")
-        .or_else(|| value.strip_prefix("http://"));
-    match rest {
-        Some(rest)
-            if !rest.is_empty() && value.len() <= 2048 && !value.contains(char::is_whitespace) =>
-        {
-            Ok(Some(value.to_owned()))
-        }
-        _ => Err(ValidationError::new(
+    let target = Target::parse(value).filter(|_| value.len() <= 2048);
+    match target {
+        Some(target) if policy.allows_target(&target) => Ok(Some(value.to_owned())),
+        // A literal private address is refused now; a name that resolves to
+        // one is refused at every delivery (after DNS, against rebinding).
+        Some(_) => Err(ValidationError::new(
             "callback_url",
-            "must be an http:// or https:// URL of at most 2048 characters",
+            "must not name a private, loopback or link-local address",
+        )),
+        None => Err(ValidationError::new(
+            "callback_url",
+            "must be an http:// or https:// URL of at most 2048 characters, without credentials",
         )),
     }
 }
@@ -266,7 +269,7 @@ pub fn submit(input: SubmitInput, limits: &Limits, now: DateTime<Utc>) -> Result
         }
     }
     labels("labels", &input.labels)?;
-    let callback_url = callback_url(&input.callback_url)?;
+    let callback_url = callback_url(&input.callback_url, &limits.callbacks)?;
     if input.max_cost_cents.is_some_and(|max| max < 1) {
         return Err(ValidationError::new(
             "max_cost_cents",
@@ -599,6 +602,7 @@ mod tests {
             max_payload_bytes: 1024,
             default_lease: Duration::from_secs(60),
             max_lease: Duration::from_secs(3600),
+            callbacks: AddressPolicy::default(),
         }
     }
 
@@ -724,6 +728,20 @@ mod tests {
             }),
             "callback_url"
         );
+        for private in [
+            "http://127.0.0.1:9/",
+            "https://[::1]/",
+            "http://169.254.169.254/",
+        ] {
+            assert_eq!(
+                field_of(SubmitInput {
+                    callback_url: private.into(),
+                    ..good()
+                }),
+                "callback_url",
+                "{private}"
+            );
+        }
     }
 
     #[test]

@@ -9,3 +9,4 @@ pub mod gauges;
 pub mod notifier;
 pub mod observer;
 pub mod reaper;
+pub mod webhooks;

@@ -107,6 +107,24 @@ pub async fn get(
     Ok(json(StatusCode::OK, &job))
 }
 
+/// `GET /api/v1/jobs/{id}/deliveries`: the job's completion callbacks,
+/// authorized as `Get`.
+pub async fn deliveries(
+    State(gateway): Shared,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, HttpError> {
+    let listing = gateway
+        .call(
+            Method::Get,
+            &headers,
+            pb::GetJobRequest { id },
+            |jobs, r| async move { jobs.deliveries(r).await },
+        )
+        .await?;
+    Ok(json(StatusCode::OK, &listing))
+}
+
 /// `GET /api/v1/jobs?...`: one page, newest first (see [`query::list`]).
 pub async fn list(
     State(gateway): Shared,

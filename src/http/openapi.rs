@@ -34,6 +34,9 @@ pub struct Operation {
     pub query: &'static [&'static str],
 }
 
+/// The deliveries listing: authorized as `Get`, but an operation of its own.
+const DELIVERIES_PATH: &str = "/api/v1/jobs/{id}/deliveries";
+
 /// Every operation the router serves under `/api/v1`.
 pub const OPERATIONS: &[Operation] = &[
     Operation {
@@ -97,6 +100,15 @@ pub const OPERATIONS: &[Operation] = &[
         body: None,
         response: None,
         query: &["after_sequence"],
+    },
+    Operation {
+        method: "get",
+        path: DELIVERIES_PATH,
+        rpc: "Get",
+        summary: "The job's completion callbacks (README, \"Webhooks\"): {\"deliveries\": [{webhook_id, sequence, type, url, status (pending, delivered, failed), attempts, created_at, last_attempt_at, last_status, last_error}]}. HTTP only; authorized as Get.",
+        body: None,
+        response: None,
+        query: &[],
     },
     Operation {
         method: "post",
@@ -201,6 +213,8 @@ fn operation(op: &Operation) -> Value {
     });
     if op.rpc.is_empty() {
         out["operationId"] = json!("openapi");
+    } else if op.path == DELIVERIES_PATH {
+        out["operationId"] = json!("getDeliveries");
     } else {
         out["x-grpc-method"] = json!(format!("intray.v1.JobService/{}", op.rpc));
     }

@@ -5,6 +5,7 @@
 
 mod changes;
 mod error;
+pub mod outbox;
 pub mod postgres;
 pub mod sqlite;
 
@@ -267,6 +268,10 @@ pub trait Store: Send + Sync + 'static {
     /// Every tenant's queues with their jobs by state and oldest runnable
     /// age, for the metrics gauges (one grouped scan; run on a timer).
     async fn queue_depths(&self) -> StoreResult<Vec<QueueDepth>>;
+
+    /// The webhook outbox on the same database (and, on SQLite, the same
+    /// single writer).
+    fn outbox(&self) -> Arc<dyn outbox::Outbox>;
 }
 
 /// Opens the database named by `settings.database_url`, applies migrations,

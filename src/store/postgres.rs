@@ -1393,4 +1393,8 @@ impl Store for PgStore {
         }
         Ok(depths.into_values().collect())
     }
+
+    fn outbox(&self) -> Arc<dyn super::outbox::Outbox> {
+        Arc::new(super::outbox::PgOutbox::new(self.pool.clone()))
+    }
 }

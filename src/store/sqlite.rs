@@ -1163,4 +1163,11 @@ impl Store for SqliteStore {
         }
         Ok(depths.into_values().collect())
     }
+
+    fn outbox(&self) -> Arc<dyn super::outbox::Outbox> {
+        Arc::new(super::outbox::SqliteOutbox::new(
+            self.writer.clone(),
+            self.reader.clone(),
+        ))
+    }
 }

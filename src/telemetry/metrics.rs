@@ -164,6 +164,8 @@ pub struct Metrics {
     rpc_duration: Family<Histogram>,
     rpc_responses: Family<f64>,
     refresh_failures: Family<f64>,
+    webhook_deliveries: Family<f64>,
+    webhook_ingress: Family<f64>,
 }
 
 impl Default for Metrics {
@@ -231,6 +233,16 @@ impl Metrics {
                 "intray_metrics_refresh_failures_total",
                 "Timer refreshes of the database gauges that failed.",
                 &[],
+            ),
+            webhook_deliveries: Family::new(
+                "intray_webhook_delivery_attempts_total",
+                "Completion callback attempts by outcome (delivered, retry, failed).",
+                &["outcome"],
+            ),
+            webhook_ingress: Family::new(
+                "intray_webhook_ingress_total",
+                "POST /hooks/{source} calls by source and HTTP status.",
+                &["source", "code"],
             ),
         }
     }
@@ -324,6 +336,19 @@ impl Metrics {
             .with(&[method, code], || 0.0, |v| *v += 1.0);
     }
 
+    /// A completion callback attempt ended with `outcome`.
+    pub fn webhook_attempt(&self, outcome: &str) {
+        self.webhook_deliveries
+            .with(&[outcome], || 0.0, |v| *v += 1.0);
+    }
+
+    /// An ingress call was answered with `code`; unknown sources are
+    /// counted under `source=""` so that callers cannot grow the label set.
+    pub fn webhook_ingress(&self, source: &str, code: u16) {
+        self.webhook_ingress
+            .with(&[source, &code.to_string()], || 0.0, |v| *v += 1.0);
+    }
+
     /// The text exposition of every metric.
     pub fn render(&self) -> String {
         let mut out = String::with_capacity(4096);
@@ -345,6 +370,8 @@ impl Metrics {
         render_histograms(&mut out, &self.rpc_duration);
         render_scalars(&mut out, &self.rpc_responses, "counter");
         render_scalars(&mut out, &self.refresh_failures, "counter");
+        render_scalars(&mut out, &self.webhook_deliveries, "counter");
+        render_scalars(&mut out, &self.webhook_ingress, "counter");
         out
     }
 }

@@ -654,6 +654,21 @@ pub async fn watch_all(
         .unwrap_or_else(|_| panic!("WatchJob {id} did not end within {within:?}"))
 }
 
+/// Runs a setup command (a virtualenv, a pip install); on failure the
+/// panic says what was run and why.
+pub fn run_setup(cmd: &mut std::process::Command, what: &str) {
+    let output = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("{what}: cannot run {cmd:?}: {e}"));
+    assert!(
+        output.status.success(),
+        "{what}: {cmd:?} failed with {}\nstdout:\n{}\nstderr:\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
 /// Polls Get until the job is in `want`, or panics after `within`.
 pub async fn wait_for_state(
     jobs: &mut JobsClient,

@@ -1,0 +1,227 @@
+//! Webhook settings: per-tenant signing secrets, the callback allow-list,
+//! ingress sources (from a JSON file an operator writes), and the delivery
+//! timings (from flags).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::domain::Backoff;
+use crate::domain::validate;
+use crate::domain::webhook::{AddressPolicy, Secret, WebhookConfigError};
+
+/// Why the webhooks file was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum WebhooksFileError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: {source}")]
+    Json {
+        path: String,
+        source: serde_json::Error,
+    },
+    #[error("{path}: {what}: {source}")]
+    Value {
+        path: String,
+        what: String,
+        source: WebhookConfigError,
+    },
+    #[error("{path}: source {source_name:?}: {reason}")]
+    Source {
+        path: String,
+        source_name: String,
+        reason: String,
+    },
+}
+
+/// One provider that may post to `POST /hooks/{name}`: messages signed with
+/// `secret` become jobs of `kind` in `queue` of `tenant`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IngressSource {
+    pub secret: Secret,
+    pub tenant: String,
+    pub queue: String,
+    pub kind: String,
+}
+
+/// Everything about webhooks, both directions.
+#[derive(Clone, Debug)]
+pub struct WebhookSettings {
+    /// Signing secret of each tenant's callbacks.
+    pub tenant_secrets: BTreeMap<String, Secret>,
+    /// Secret of tenants without their own (the single-tenant, no-auth case).
+    pub default_secret: Option<Secret>,
+    /// Non-public callback destinations that are still allowed.
+    pub allow: AddressPolicy,
+    /// Ingress sources by name.
+    pub sources: BTreeMap<String, IngressSource>,
+    /// Longest a callback request may take.
+    pub timeout: Duration,
+    /// How long a callback is retried before it is marked failed.
+    pub retry_window: Duration,
+    /// Delay between attempts (full jitter).
+    pub backoff: Backoff,
+    /// How often the dispatcher looks for due deliveries when idle.
+    pub poll: Duration,
+    /// Largest ingress body.
+    pub max_body_bytes: usize,
+    /// PEM CA certificates that `https` callbacks are checked against;
+    /// `None`: `SSL_CERT_FILE`, else the system bundle.
+    pub ca_file: Option<PathBuf>,
+}
+
+impl Default for WebhookSettings {
+    fn default() -> Self {
+        WebhookSettings {
+            tenant_secrets: BTreeMap::new(),
+            default_secret: None,
+            allow: AddressPolicy::default(),
+            sources: BTreeMap::new(),
+            timeout: Duration::from_secs(10),
+            retry_window: Duration::from_secs(24 * 3600),
+            backoff: match Backoff::try_new(Duration::from_secs(1), Duration::from_secs(3600)) {
+                Ok(b) => b,
+                Err(_) => unreachable!("1s..1h is a valid backoff"),
+            },
+            poll: Duration::from_secs(1),
+            max_body_bytes: 256 * 1024,
+            ca_file: None,
+        }
+    }
+}
+
+impl WebhookSettings {
+    /// The secret that signs `tenant`'s callbacks, if one is configured.
+    pub fn secret_for(&self, tenant: &str) -> Option<&Secret> {
+        self.tenant_secrets
+            .get(tenant)
+            .or(self.default_secret.as_ref())
+    }
+
+    /// Reads secrets, allow-list and sources from a JSON file (README,
+    /// "Webhooks"); timings keep their current values.
+    pub fn load_file(&mut self, path: &Path) -> Result<(), WebhooksFileError> {
+        let shown = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| WebhooksFileError::Read {
+            path: shown.clone(),
+            source,
+        })?;
+        let file: File = serde_json::from_str(&text).map_err(|source| WebhooksFileError::Json {
+            path: shown.clone(),
+            source,
+        })?;
+        let value = |what: &str| {
+            let path = shown.clone();
+            let what = what.to_owned();
+            move |source| WebhooksFileError::Value { path, what, source }
+        };
+        self.default_secret = file
+            .default_secret
+            .as_deref()
+            .map(Secret::parse)
+            .transpose()
+            .map_err(value("default_secret"))?;
+        for (tenant, secret) in &file.tenant_secrets {
+            let secret =
+                Secret::parse(secret).map_err(value(&format!("tenant_secrets.{tenant}")))?;
+            self.tenant_secrets.insert(tenant.clone(), secret);
+        }
+        self.allow = AddressPolicy::parse(&file.allow).map_err(value("allow"))?;
+        for (name, source) in file.sources {
+            let bad = |reason: String| WebhooksFileError::Source {
+                path: shown.clone(),
+                source_name: name.clone(),
+                reason,
+            };
+            validate::queue("source", &name).map_err(|e| bad(e.to_string()))?;
+            let secret = Secret::parse(&source.secret).map_err(|e| bad(e.to_string()))?;
+            let tenant =
+                validate::queue("tenant", &source.tenant).map_err(|e| bad(e.to_string()))?;
+            let queue = validate::queue("queue", &source.queue).map_err(|e| bad(e.to_string()))?;
+            let kind = validate::kind("kind", &source.kind).map_err(|e| bad(e.to_string()))?;
+            self.sources.insert(
+                name.clone(),
+                IngressSource {
+                    secret,
+                    tenant,
+                    queue,
+                    kind,
+                },
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The file's shape.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct File {
+    #[serde(default)]
+    default_secret: Option<String>,
+    #[serde(default)]
+    tenant_secrets: BTreeMap<String, String>,
+    #[serde(default)]
+    allow: Vec<String>,
+    #[serde(default)]
+    sources: BTreeMap<String, SourceEntry>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SourceEntry {
+    secret: String,
+    #[serde(default = "default_tenant")]
+    tenant: String,
+    queue: String,
+    kind: String,
+}
+
+fn default_tenant() -> String {
+    "default".to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_a_file_and_refuses_bad_entries() {
+        let dir = std::env::temp_dir().join(format!("intray-webhooks-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join("webhooks.json");
+        let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+        std::fs::write(
+            &path,
+            format!(
+                r#"{{"default_secret": "{secret}", "tenant_secrets": {{"acme": "{secret}"}},
+                    "allow": ["127.0.0.1"],
+                    "sources": {{"stripe": {{"secret": "{secret}", "queue": "payments", "kind": "stripe.event"}}}}}}"#
+            ),
+        )
+        .expect("write");
+        let mut s = WebhookSettings::default();
+        s.load_file(&path).expect("valid file");
+        assert!(s.secret_for("acme").is_some() && s.secret_for("other").is_some());
+        assert_eq!(s.sources["stripe"].tenant, "default");
+        assert!(s.allow.allows_ip("127.0.0.1".parse().expect("ip")));
+
+        std::fs::write(
+            &path,
+            r#"{"sources": {"x": {"secret": "nope", "queue": "q", "kind": "k"}}}"#,
+        )
+        .expect("write");
+        let err = WebhookSettings::default()
+            .load_file(&path)
+            .expect_err("bad secret");
+        assert!(err.to_string().contains("\"x\""), "{err}");
+        std::fs::write(&path, r#"{"secrets": {}}"#).expect("write");
+        assert!(WebhookSettings::default().load_file(&path).is_err());
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}

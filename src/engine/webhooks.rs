@@ -1,0 +1,348 @@
+//! The callback dispatcher: every replica runs one. It claims due rows of
+//! the webhook outbox (`SKIP LOCKED` on PostgreSQL, the single writer on
+//! SQLite), signs each event as Standard Webhooks asks, POSTs it, and
+//! records the attempt: delivered on a 2xx, else retried with full-jitter
+//! backoff until the retry window is used up. Nothing here runs inside a
+//! worker's call: `Complete` only wrote the outbox row.
+//!
+//! Delivery is at least once: a replica that dies after the POST and
+//! before recording it leaves the row to be claimed again, and the receiver
+//! dedupes by `webhook-id`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::Utc;
+use http_body_util::Full;
+use hyper::Request;
+use hyper::body::Bytes;
+use hyper::http::header;
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpStream;
+use tokio_rustls::TlsConnector;
+use tokio_rustls::rustls::pki_types::pem::PemObject;
+use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
+use tokio_rustls::rustls::{self, ClientConfig, RootCertStore};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::webhooks::WebhookSettings;
+use crate::domain::Job;
+use crate::domain::webhook::{self, AfterFailure, Target};
+use crate::store::outbox::{Attempted, Delivery, Outbox};
+use crate::store::{Store, StoreError};
+use crate::telemetry::Metrics;
+
+/// Deliveries claimed (and sent concurrently) at a time.
+const BATCH: u32 = 32;
+/// How often terminal jobs without a delivery row are looked for.
+const SWEEP_EVERY: Duration = Duration::from_secs(60);
+/// CA bundle of `https` callbacks when neither the settings nor
+/// `SSL_CERT_FILE` name one.
+const SYSTEM_ROOTS: &str = "/etc/ssl/certs/ca-certificates.crt";
+
+/// Turns a job into the JSON the API shows for it (the proto3 JSON mapping
+/// of `Job`), supplied by the API layer so that proto types stay there.
+pub type RenderJob = Arc<dyn Fn(&Job) -> serde_json::Value + Send + Sync>;
+
+/// Why an attempt did not get an answer, or got one that was not 2xx.
+#[derive(Debug, thiserror::Error)]
+enum SendError {
+    /// Never worth retrying: the configuration or the URL is the problem.
+    #[error("{0}")]
+    Permanent(String),
+    #[error("{0}")]
+    Transient(String),
+    #[error("receiver answered {0}")]
+    Status(u16),
+}
+
+impl From<StoreError> for SendError {
+    fn from(err: StoreError) -> Self {
+        match err {
+            StoreError::NotFound => SendError::Permanent("the job no longer exists".into()),
+            other => SendError::Transient(format!("store: {other}")),
+        }
+    }
+}
+
+/// The dispatcher of one replica.
+pub struct Dispatcher {
+    store: Arc<dyn Store>,
+    outbox: Arc<dyn Outbox>,
+    render: RenderJob,
+    settings: WebhookSettings,
+    metrics: Arc<Metrics>,
+    tls: Option<TlsConnector>,
+}
+
+impl Dispatcher {
+    /// A dispatcher over `store`'s outbox. `https` callbacks are checked
+    /// against the configured CA file, else `SSL_CERT_FILE`, else the
+    /// system bundle; without one they fail (logged here once).
+    pub fn new(
+        store: Arc<dyn Store>,
+        render: RenderJob,
+        settings: WebhookSettings,
+        metrics: Arc<Metrics>,
+    ) -> Dispatcher {
+        let roots = settings
+            .ca_file
+            .clone()
+            .or_else(|| std::env::var_os("SSL_CERT_FILE").map(PathBuf::from))
+            .unwrap_or_else(|| PathBuf::from(SYSTEM_ROOTS));
+        let tls = match tls_connector(&roots) {
+            Ok(tls) => Some(tls),
+            Err(err) => {
+                tracing::warn!(roots = %roots.display(), error = %err, "no CA bundle: https callbacks will fail");
+                None
+            }
+        };
+        Dispatcher {
+            outbox: store.outbox(),
+            store,
+            render,
+            settings,
+            metrics,
+            tls,
+        }
+    }
+
+    /// Delivers until `stop` fires: a pass every `poll`, followed at once by
+    /// another when it filled its batch; a reconciliation sweep every minute.
+    pub async fn run(self: Arc<Self>, stop: CancellationToken) {
+        let mut ticker = tokio::time::interval(self.settings.poll);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut swept_at: Option<tokio::time::Instant> = None;
+        // A claimed row comes back after this if this replica dies mid-send.
+        let hold = self.settings.timeout + Duration::from_secs(30);
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                _ = ticker.tick() => {}
+            }
+            if swept_at.is_none_or(|t| t.elapsed() >= SWEEP_EVERY) {
+                swept_at = Some(tokio::time::Instant::now());
+                match self.outbox.reconcile(self.settings.retry_window, 500).await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::info!(rows = n, "webhook sweep wrote missing deliveries"),
+                    Err(err) => tracing::warn!(error = %err, "webhook sweep failed"),
+                }
+            }
+            loop {
+                let due = match self.outbox.claim_due(BATCH, hold).await {
+                    Ok(due) => due,
+                    Err(err) => {
+                        tracing::warn!(error = %err, "claiming webhook deliveries failed; retrying next interval");
+                        break;
+                    }
+                };
+                let full = due.len() == BATCH as usize;
+                futures::future::join_all(due.into_iter().map(|d| self.deliver(d))).await;
+                if !full || stop.is_cancelled() {
+                    break;
+                }
+            }
+        }
+    }
+
+    /// One attempt of one delivery, recorded.
+    async fn deliver(&self, delivery: Delivery) {
+        let answer = tokio::time::timeout(self.settings.timeout, self.send(&delivery))
+            .await
+            .unwrap_or_else(|_| {
+                Err(SendError::Transient(format!(
+                    "no answer within {:?}",
+                    self.settings.timeout
+                )))
+            });
+        let attempt = delivery.attempts + 1;
+        let step = match answer {
+            Ok(status) => Attempted::Delivered { status },
+            Err(SendError::Permanent(error)) => Attempted::Failed {
+                status: None,
+                error,
+            },
+            Err(err) => {
+                let status = match &err {
+                    SendError::Status(code) => Some(*code),
+                    _ => None,
+                };
+                let age = (Utc::now() - delivery.created_at)
+                    .to_std()
+                    .unwrap_or_default();
+                match webhook::after_failure(
+                    &self.settings.backoff,
+                    attempt,
+                    age,
+                    self.settings.retry_window,
+                    rand::random::<f64>(),
+                ) {
+                    AfterFailure::Retry(delay) => Attempted::Retry {
+                        status,
+                        error: err.to_string(),
+                        delay,
+                    },
+                    AfterFailure::GiveUp => Attempted::Failed {
+                        status,
+                        error: err.to_string(),
+                    },
+                }
+            }
+        };
+        let outcome = match &step {
+            Attempted::Delivered { .. } => "delivered",
+            Attempted::Retry { .. } => "retry",
+            Attempted::Failed { .. } => "failed",
+        };
+        self.metrics.webhook_attempt(outcome);
+        match &step {
+            Attempted::Delivered { .. } => {
+                tracing::debug!(webhook_id = %delivery.webhook_id, attempt, "webhook delivered");
+            }
+            Attempted::Retry { error, delay, .. } => {
+                tracing::info!(webhook_id = %delivery.webhook_id, attempt, %error, ?delay, "webhook attempt failed; will retry");
+            }
+            Attempted::Failed { error, .. } => {
+                tracing::warn!(webhook_id = %delivery.webhook_id, job_id = %delivery.job_id, attempt, %error, "webhook delivery failed for good");
+            }
+        }
+        if let Err(err) = self.outbox.record(&delivery.webhook_id, &step).await {
+            // The row comes back when its hold runs out: sent again, which
+            // the receiver's dedupe by webhook-id absorbs.
+            tracing::warn!(webhook_id = %delivery.webhook_id, error = %err, "recording a webhook attempt failed");
+        }
+    }
+
+    /// Signs and POSTs the event; `Ok` with a 2xx status.
+    async fn send(&self, delivery: &Delivery) -> Result<u16, SendError> {
+        let secret = self.settings.secret_for(&delivery.tenant).ok_or_else(|| {
+            SendError::Permanent(format!(
+                "no webhook secret configured for tenant {:?}",
+                delivery.tenant
+            ))
+        })?;
+        let target = Target::parse(&delivery.url)
+            .ok_or_else(|| SendError::Permanent("the callback URL is not valid".into()))?;
+        let job = self.store.get(&delivery.tenant, delivery.job_id).await?;
+        let body = serde_json::json!({
+            "type": webhook::callback_type(&delivery.event_type),
+            "sequence": delivery.sequence,
+            "job": (self.render)(&job),
+        });
+        let body = Bytes::from(
+            serde_json::to_vec(&body)
+                .map_err(|e| SendError::Permanent(format!("cannot encode the body: {e}")))?,
+        );
+        let timestamp = Utc::now().timestamp();
+        let signature = secret.sign(&delivery.webhook_id, timestamp, &body);
+        let addr = self.resolve(&target).await?;
+        let host = if target.host.contains(':') {
+            format!("[{}]:{}", target.host, target.port)
+        } else {
+            format!("{}:{}", target.host, target.port)
+        };
+        let request = Request::post(target.path.as_str())
+            .header(header::HOST, host)
+            .header(header::CONTENT_TYPE, "application/json")
+            .header(
+                header::USER_AGENT,
+                concat!("intray/", env!("CARGO_PKG_VERSION")),
+            )
+            .header("webhook-id", delivery.webhook_id.as_str())
+            .header("webhook-timestamp", timestamp.to_string())
+            .header("webhook-signature", signature)
+            .body(Full::new(body))
+            .map_err(|e| SendError::Permanent(format!("cannot build the request: {e}")))?;
+        let tcp = TcpStream::connect(addr)
+            .await
+            .map_err(|e| SendError::Transient(format!("connect {addr}: {e}")))?;
+        // Small requests: without nodelay, delayed ACKs add ~40 ms each.
+        tcp.set_nodelay(true)
+            .map_err(|e| SendError::Transient(format!("connect {addr}: {e}")))?;
+        let status = if target.tls {
+            let tls = self
+                .tls
+                .as_ref()
+                .ok_or_else(|| SendError::Transient("no CA bundle for https".into()))?;
+            let name = ServerName::try_from(target.host.clone()).map_err(|_| {
+                SendError::Permanent("the callback host is not a valid TLS name".into())
+            })?;
+            let stream = tls
+                .connect(name, tcp)
+                .await
+                .map_err(|e| SendError::Transient(format!("tls: {e}")))?;
+            post(stream, request).await?
+        } else {
+            post(tcp, request).await?
+        };
+        if (200..300).contains(&status) {
+            Ok(status)
+        } else {
+            Err(SendError::Status(status))
+        }
+    }
+
+    /// The address to connect to, checked against the SSRF policy after
+    /// resolution (so a name that starts resolving to a private address,
+    /// DNS rebinding, is refused at the next attempt).
+    async fn resolve(&self, target: &Target) -> Result<SocketAddr, SendError> {
+        let allow = &self.settings.allow;
+        if let Some(ip) = target.literal_ip() {
+            return if allow.allows_ip(ip) {
+                Ok(SocketAddr::new(ip, target.port))
+            } else {
+                Err(SendError::Permanent(format!("address {ip} is not allowed")))
+            };
+        }
+        let addrs: Vec<SocketAddr> = tokio::net::lookup_host((target.host.as_str(), target.port))
+            .await
+            .map_err(|e| SendError::Transient(format!("resolve {}: {e}", target.host)))?
+            .collect();
+        let named = allow.allows_host(&target.host);
+        addrs
+            .iter()
+            .copied()
+            .find(|a| named || allow.allows_ip(a.ip()))
+            .ok_or_else(|| {
+                SendError::Permanent(format!("{} resolves to no allowed address", target.host))
+            })
+    }
+}
+
+/// Sends one request on a fresh HTTP/1.1 connection and returns the status.
+async fn post<IO>(io: IO, request: Request<Full<Bytes>>) -> Result<u16, SendError>
+where
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(io))
+        .await
+        .map_err(|e| SendError::Transient(format!("http: {e}")))?;
+    let driver = tokio::spawn(connection);
+    let answer = sender.send_request(request).await;
+    driver.abort();
+    let response = answer.map_err(|e| SendError::Transient(format!("http: {e}")))?;
+    Ok(response.status().as_u16())
+}
+
+fn tls_connector(roots_file: &std::path::Path) -> Result<TlsConnector, String> {
+    let pem = std::fs::read(roots_file).map_err(|e| e.to_string())?;
+    let mut roots = RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(&pem) {
+        let cert = cert.map_err(|e| e.to_string())?;
+        // A bundle may hold a certificate rustls cannot use; skip it.
+        let _ = roots.add(cert);
+    }
+    if roots.is_empty() {
+        return Err("no usable certificate".into());
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(TlsConnector::from(Arc::new(config)))
+}

@@ -1,0 +1,145 @@
+//! `POST /hooks/{source}`: a provider's webhook becomes a job.
+//!
+//! The order of the checks is the contract: an unknown source is `404`, a
+//! body over the limit `413`, a bad or stale Standard Webhooks signature
+//! `401` (checked over the raw body bytes before anything parses them),
+//! malformed JSON after a valid signature `400`. Then the body is submitted
+//! as the payload of a job of the source's queue and kind, with the
+//! `webhook-id` as its idempotency key, so that a repeated delivery finds
+//! the first job (`200`, nothing created). The handler only verifies and
+//! submits: the work happens in a worker.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+use tonic::{Code, Request};
+
+use super::body;
+use super::error::HttpError;
+use crate::api::JobsApi;
+use crate::auth::{Identity, Role};
+use crate::config::webhooks::IngressSource;
+use crate::domain::webhook::VerifyError;
+use crate::pb;
+use crate::pb::job_service_server::JobService;
+use crate::telemetry::Metrics;
+
+/// What the ingress route needs.
+pub struct Ingress {
+    sources: BTreeMap<String, IngressSource>,
+    max_body_bytes: usize,
+    jobs: Arc<JobsApi>,
+    metrics: Arc<Metrics>,
+}
+
+impl Ingress {
+    /// An ingress for the configured `sources`, submitting into `jobs`.
+    pub fn new(
+        sources: BTreeMap<String, IngressSource>,
+        max_body_bytes: usize,
+        jobs: Arc<JobsApi>,
+        metrics: Arc<Metrics>,
+    ) -> Ingress {
+        Ingress {
+            sources,
+            max_body_bytes,
+            jobs,
+            metrics,
+        }
+    }
+}
+
+/// A plain `{error}` answer: the sender is a provider, not an intray client.
+fn refuse(status: StatusCode, error: &str) -> Response {
+    body::json(status, &json!({ "error": error }))
+}
+
+fn header<'a>(headers: &'a HeaderMap, name: &str) -> Result<&'a str, VerifyError> {
+    headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .ok_or(VerifyError::Headers)
+}
+
+/// `POST /hooks/{source}`.
+pub async fn receive(
+    State(ingress): State<Arc<Ingress>>,
+    Path(source): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let known = ingress.sources.contains_key(&source);
+    let response = handle(&ingress, &source, &headers, body).await;
+    // Unknown names are not labels: a scanner must not grow the metric.
+    let label = if known { source.as_str() } else { "" };
+    ingress
+        .metrics
+        .webhook_ingress(label, response.status().as_u16());
+    response
+}
+
+async fn handle(ingress: &Ingress, name: &str, headers: &HeaderMap, body: Body) -> Response {
+    let Some(source) = ingress.sources.get(name) else {
+        return refuse(StatusCode::NOT_FOUND, "unknown webhook source");
+    };
+    let Ok(body) = axum::body::to_bytes(body, ingress.max_body_bytes).await else {
+        return HttpError::TooLarge {
+            limit: ingress.max_body_bytes,
+        }
+        .into_response();
+    };
+    let verified = (|| {
+        let id = header(headers, "webhook-id")?;
+        let timestamp = header(headers, "webhook-timestamp")?;
+        let signatures = header(headers, "webhook-signature")?;
+        let now = chrono::Utc::now().timestamp();
+        source
+            .secret
+            .verify(id, timestamp, signatures, &body, now)
+            .map(|()| id)
+    })();
+    let id = match verified {
+        Ok(id) => id.to_owned(),
+        Err(err) => {
+            tracing::info!(source = name, error = %err, "webhook refused");
+            return refuse(StatusCode::UNAUTHORIZED, "invalid webhook signature");
+        }
+    };
+    let payload: pbjson_types::Value = match serde_json::from_slice(&body) {
+        Ok(payload) => payload,
+        Err(_) => return refuse(StatusCode::BAD_REQUEST, "the body is not valid JSON"),
+    };
+    let mut request = Request::new(pb::SubmitRequest {
+        queue: source.queue.clone(),
+        kind: source.kind.clone(),
+        payload: Some(payload),
+        idempotency_key: id,
+        ..Default::default()
+    });
+    request.extensions_mut().insert(Identity {
+        tenant: source.tenant.clone(),
+        roles: [Role::Producer].into_iter().collect(),
+        principal: format!("hook:{name}"),
+    });
+    match ingress.jobs.submit(request).await {
+        Ok(answer) => {
+            let answer = answer.into_inner();
+            let job_id = answer.job.map(|j| j.id).unwrap_or_default();
+            body::json(
+                StatusCode::OK,
+                &json!({ "job_id": job_id, "created": answer.created }),
+            )
+        }
+        // The same webhook-id with another body is not a repeat.
+        Err(status) if status.code() == Code::AlreadyExists => refuse(
+            StatusCode::CONFLICT,
+            "this webhook-id was already received with another body",
+        ),
+        Err(status) => HttpError::Rpc(status).into_response(),
+    }
+}
