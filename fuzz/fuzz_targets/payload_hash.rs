@@ -7,6 +7,7 @@
 
 use intray::domain::Backoff;
 use intray::domain::validate::{self, Limits, SubmitInput};
+use intray::domain::webhook::AddressPolicy;
 use libfuzzer_sys::fuzz_target;
 use std::time::Duration;
 
@@ -18,6 +19,7 @@ fn limits() -> Limits {
         max_payload_bytes: 1024 * 1024,
         default_lease: Duration::from_secs(60),
         max_lease: Duration::from_secs(3600),
+        callbacks: AddressPolicy::default(),
     }
 }
 
