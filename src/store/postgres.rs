@@ -547,8 +547,8 @@ impl Store for PgStore {
             max.push(millis(new.backoff.max()));
         }
         let column = |f: fn(&NewJob) -> Option<&str>| jobs.iter().map(f).collect::<Vec<_>>();
-        let mut tx = self.pool.begin().await?;
-        // All items in one statement, in order; a key already taken (also
+        // All items in one statement, in order, committed on its own (no
+        // BEGIN and COMMIT round trips around it); a key already taken (also
         // by an earlier item of this statement) inserts nothing and is
         // answered below from the row that holds it.
         let rows = sqlx::query(
@@ -595,15 +595,15 @@ impl Store for PgStore {
         .bind(column(|j| j.callback_url.as_deref()))
         .bind(jobs.iter().map(|j| j.max_cost_cents).collect::<Vec<_>>())
         .bind(column(|j| j.trace_parent.as_deref()))
-        .fetch_all(&mut *tx)
+        .fetch_all(&self.pool)
         .await?;
         let mut created: HashMap<Uuid, Job> = HashMap::with_capacity(rows.len());
         for row in &rows {
             let job = job_from_row(row)?;
             created.insert(job.id, job);
         }
-        // Keys that were taken: possibly committed by a concurrent submit
-        // this statement waited for.
+        // Keys that were taken: committed before the insert returned (a
+        // concurrent insert of the same key is waited for), so readable now.
         let taken: Vec<&str> = jobs
             .iter()
             .zip(&ids)
@@ -616,7 +616,7 @@ impl Store for PgStore {
                 sqlx::query("SELECT * FROM jobs WHERE tenant = $1 AND idempotency_key = ANY($2)")
                     .bind(tenant)
                     .bind(&taken)
-                    .fetch_all(&mut *tx)
+                    .fetch_all(&self.pool)
                     .await?;
             for row in &rows {
                 let job = job_from_row(row)?;
@@ -625,7 +625,6 @@ impl Store for PgStore {
                 }
             }
         }
-        tx.commit().await?;
         let mut changes = Changes::default();
         let mut results = Vec::with_capacity(n);
         for (new, id) in jobs.iter().zip(&ids) {
@@ -921,19 +920,21 @@ impl Store for PgStore {
                 slot_lease_ms.push(millis(s.lease_duration));
             }
         }
-        let mut tx = self.pool.begin().await?;
         // Planning the claim costs 2-5 ms and PostgreSQL keeps choosing a
         // custom plan for it; the generic plan runs it in ~0.4 ms (the
         // parameters only pick tenants and queues). A generic plan is made
         // once and kept, often while the table is still young, so its row
         // estimates are not to be trusted: without sequential scans it takes
         // the index paths that stay cheap at any table size. Only for this
-        // transaction: other statements keep their custom plans.
-        sqlx::raw_sql(
-            "SET LOCAL plan_cache_mode = force_generic_plan; SET LOCAL enable_seqscan = off",
-        )
-        .execute(&mut *tx)
-        .await?;
+        // transaction (other statements keep their custom plans), and sent
+        // with the BEGIN, in its round trip.
+        let mut tx = self
+            .pool
+            .begin_with(
+                "BEGIN; SET LOCAL plan_cache_mode = force_generic_plan; \
+                 SET LOCAL enable_seqscan = off",
+            )
+            .await?;
         let only_tenant = (!spec.all_tenants).then_some(tenant);
         // Tenants: the caller's, or every tenant with queued jobs, found by a
         // skip scan over the claim index (one probe per tenant). Per tenant
