@@ -2284,6 +2284,40 @@ async fn lease_order_and_kind_filter(backend: Backend) {
         vec![other],
         "without a kind filter the other kind is leased"
     );
+
+    // One claim across several priority levels, with levels that have only
+    // jobs scheduled for later above them: the order holds within one lease.
+    let ord2 = |prio: i32, later: bool| {
+        let mut r = submit_req("ord2", "main", json!({}));
+        r.priority = prio;
+        r.run_at = later.then(|| ts(Utc::now() + chrono::Duration::hours(1)));
+        r
+    };
+    let mut expected = Vec::new();
+    for (prio, later) in [
+        (7, true),
+        (3, false),
+        (9, true),
+        (-1, false),
+        (3, false),
+        (0, false),
+    ] {
+        let id = submit_with(&mut jobs, ord2(prio, later)).await.id;
+        if !later {
+            expected.push((prio, id));
+        }
+    }
+    // Stable: equal priorities stay in submit (run_at) order.
+    expected.sort_by_key(|(prio, _)| -prio);
+    let expected: Vec<String> = expected.into_iter().map(|(_, id)| id).collect();
+    let got = workers
+        .lease(lease_req("w", "ord2", 10, Duration::ZERO))
+        .await
+        .expect("Lease")
+        .into_inner()
+        .jobs;
+    let got: Vec<String> = got.into_iter().map(|l| l.job_id).collect();
+    assert_eq!(got, expected, "one lease: levels in order, later jobs left");
     server.stop().await;
 }
 

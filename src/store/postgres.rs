@@ -924,15 +924,19 @@ impl Store for PgStore {
         // custom plan for it; the generic plan runs it in ~0.4 ms (the
         // parameters only pick tenants and queues). A generic plan is made
         // once and kept, often while the table is still young, so its row
-        // estimates are not to be trusted: without sequential scans it takes
-        // the index paths that stay cheap at any table size. Only for this
-        // transaction (other statements keep their custom plans), and sent
-        // with the BEGIN, in its round trip.
+        // estimates are not to be trusted: without sequential scans or
+        // avoidable sorts it takes the index paths that stay cheap at any
+        // table size (the level probes below read the claim index in order
+        // instead of sorting every queued row). Those settings price the
+        // plans they avoid so high that the estimate passes JIT's threshold,
+        // and compiling the statement took a second: no JIT. Only for this
+        // transaction (other statements keep their plans), and sent with
+        // the BEGIN, in its round trip.
         let mut tx = self
             .pool
             .begin_with(
                 "BEGIN; SET LOCAL plan_cache_mode = force_generic_plan; \
-                 SET LOCAL enable_seqscan = off",
+                 SET LOCAL enable_seqscan = off; SET LOCAL enable_sort = off; SET LOCAL jit = off",
             )
             .await?;
         let only_tenant = (!spec.all_tenants).then_some(tenant);
@@ -976,24 +980,48 @@ impl Store for PgStore {
                 FROM tenants t
                 CROSS JOIN unnest($2::text[]) AS q(name)
                 CROSS JOIN LATERAL (
-                    SELECT id, priority, run_at, kind,
-                        EXISTS (SELECT 1 FROM breakers b
-                                WHERE b.tenant = t.tenant AND b.queue = q.name AND b.kind = jobs.kind
-                                  AND b.open_until IS NOT NULL) AS half_open
-                    FROM jobs
-                    WHERE tenant = t.tenant AND queue = q.name AND state = 'queued' AND run_at <= now()
-                      AND (cardinality($3::text[]) = 0 OR kind = ANY($3))
-                      AND (deadline IS NULL OR deadline > now())
-                      AND NOT EXISTS (
-                          SELECT 1 FROM breakers b
-                          WHERE b.tenant = t.tenant AND b.queue = q.name AND b.kind = jobs.kind
-                            AND (b.open_until > now()
-                                 OR EXISTS (SELECT 1 FROM jobs p
-                                            WHERE p.id = b.probe_job AND p.state = 'running'))
-                      )
-                    ORDER BY priority DESC, run_at, id
+                    -- A skip scan over the queue's priority levels (one index
+                    -- probe each), then per level a range scan that stops at
+                    -- the first job not yet due. One scan in (priority,
+                    -- run_at) order would step over every job scheduled for
+                    -- later at a higher level, so an empty claim would cost
+                    -- as much as that backlog (100 ms at a million).
+                    WITH RECURSIVE levels(priority) AS (
+                        SELECT (SELECT priority FROM jobs
+                                WHERE tenant = t.tenant AND queue = q.name AND state = 'queued'
+                                ORDER BY priority DESC LIMIT 1)
+                        UNION ALL
+                        SELECT (SELECT j.priority FROM jobs j
+                                WHERE j.tenant = t.tenant AND j.queue = q.name AND j.state = 'queued'
+                                  AND j.priority < l.priority
+                                ORDER BY j.priority DESC LIMIT 1)
+                        FROM levels l WHERE l.priority IS NOT NULL
+                    )
+                    SELECT due.* FROM levels l
+                    CROSS JOIN LATERAL (
+                        SELECT id, priority, run_at, kind,
+                            EXISTS (SELECT 1 FROM breakers b
+                                    WHERE b.tenant = t.tenant AND b.queue = q.name AND b.kind = jobs.kind
+                                      AND b.open_until IS NOT NULL) AS half_open
+                        FROM jobs
+                        WHERE tenant = t.tenant AND queue = q.name AND state = 'queued'
+                          AND priority = l.priority AND run_at <= now()
+                          AND (cardinality($3::text[]) = 0 OR kind = ANY($3))
+                          AND (deadline IS NULL OR deadline > now())
+                          AND NOT EXISTS (
+                              SELECT 1 FROM breakers b
+                              WHERE b.tenant = t.tenant AND b.queue = q.name AND b.kind = jobs.kind
+                                AND (b.open_until > now()
+                                     OR EXISTS (SELECT 1 FROM jobs p
+                                                WHERE p.id = b.probe_job AND p.state = 'running'))
+                          )
+                        ORDER BY run_at, id
+                        LIMIT $4
+                        FOR UPDATE SKIP LOCKED
+                    ) due
+                    WHERE l.priority IS NOT NULL
+                    ORDER BY due.priority DESC, due.run_at, due.id
                     LIMIT $4
-                    FOR UPDATE SKIP LOCKED
                 ) c
                 WHERE NOT EXISTS (
                     SELECT 1 FROM paused_queues p WHERE p.tenant = t.tenant AND p.queue = q.name
