@@ -276,6 +276,15 @@ mod tests {
         }
     }
 
+    /// One caller, on a task of its own so that it can be dropped (aborted).
+    fn spawn_call(
+        coalescer: &Arc<Coalescer<Arc<Recorder>>>,
+        call: u32,
+    ) -> tokio::task::JoinHandle<StoreResult<u32>> {
+        let coalescer = Arc::clone(coalescer);
+        tokio::spawn(async move { coalescer.call("k", call).await })
+    }
+
     #[tokio::test]
     async fn concurrent_calls_share_flushes_and_get_their_own_answers() {
         let recorder = Arc::new(Recorder::default());
@@ -298,15 +307,9 @@ mod tests {
         let recorder = Arc::new(Recorder::default());
         let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), 1, 100));
         // Occupy the only slot so that the next three queue up together.
-        let blocker = {
-            let coalescer = Arc::clone(&coalescer);
-            tokio::spawn(async move { coalescer.call("k", 1).await })
-        };
+        let blocker = spawn_call(&coalescer, 1);
         tokio::time::sleep(Duration::from_millis(5)).await;
-        let calls = [12u32, 13, 14].map(|i| {
-            let coalescer = Arc::clone(&coalescer);
-            tokio::spawn(async move { coalescer.call("k", i).await })
-        });
+        let calls = [12u32, 13, 14].map(|i| spawn_call(&coalescer, i));
         let answers = futures::future::join_all(calls).await;
         assert_eq!(blocker.await.expect("joined").expect("answered"), 10);
         let answers: Vec<_> = answers
@@ -325,10 +328,7 @@ mod tests {
     async fn a_batch_stops_at_its_weight() {
         let recorder = Arc::new(Recorder::default());
         let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), 1, 3));
-        let calls = (0..10u32).map(|i| {
-            let coalescer = Arc::clone(&coalescer);
-            tokio::spawn(async move { coalescer.call("k", i).await })
-        });
+        let calls = (0..10u32).map(|i| spawn_call(&coalescer, i));
         futures::future::join_all(calls).await;
         let flushes = recorder.flushes.lock().expect("lock").clone();
         assert!(flushes.iter().all(|f| f.len() <= 3), "{flushes:?}");
@@ -339,19 +339,10 @@ mod tests {
     async fn a_caller_gone_before_its_transaction_is_left_out() {
         let recorder = Arc::new(Recorder::default());
         let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), 1, 100));
-        let blocker = {
-            let coalescer = Arc::clone(&coalescer);
-            tokio::spawn(async move { coalescer.call("k", 1).await })
-        };
+        let blocker = spawn_call(&coalescer, 1);
         tokio::time::sleep(Duration::from_millis(5)).await;
-        let gone = {
-            let coalescer = Arc::clone(&coalescer);
-            tokio::spawn(async move { coalescer.call("k", 7).await })
-        };
-        let stays = {
-            let coalescer = Arc::clone(&coalescer);
-            tokio::spawn(async move { coalescer.call("k", 8).await })
-        };
+        let gone = spawn_call(&coalescer, 7);
+        let stays = spawn_call(&coalescer, 8);
         tokio::time::sleep(Duration::from_millis(2)).await;
         gone.abort();
         assert_eq!(blocker.await.expect("joined").expect("answered"), 10);
@@ -365,10 +356,7 @@ mod tests {
     async fn an_answer_whose_caller_left_during_the_transaction_is_orphaned() {
         let recorder = Arc::new(Recorder::default());
         let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), 1, 100));
-        let gone = {
-            let coalescer = Arc::clone(&coalescer);
-            tokio::spawn(async move { coalescer.call("k", 9).await })
-        };
+        let gone = spawn_call(&coalescer, 9);
         tokio::time::sleep(Duration::from_millis(5)).await;
         gone.abort();
         tokio::time::sleep(Duration::from_millis(40)).await;
