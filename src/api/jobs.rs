@@ -153,7 +153,7 @@ impl JobService for JobsApi {
         for new in &mut valid {
             new.trace_parent.clone_from(&trace_parent);
         }
-        let stored = self.ctx.store.submit(&tenant, valid).await?;
+        let stored = self.ctx.batchers.submit_batch(&tenant, valid).await?;
         for submitted in stored.iter().flatten() {
             if submitted.created {
                 self.ctx.observer.submitted(&submitted.job);

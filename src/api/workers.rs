@@ -67,8 +67,9 @@ impl WorkersApi {
         }
     }
 
-    /// Claims, and while nothing is runnable waits for a wake-up on one of
-    /// the requested queues (or the fallback timer) until `spec.wait` ends.
+    /// Claims, and while nothing is runnable waits until `spec.wait` ends
+    /// for a job handed to it by a submit, or for a wake-up on one of the
+    /// requested queues (or the fallback timer) to claim again.
     async fn lease_or_wait(&self, tenant: &str, spec: &LeaseSpec) -> Result<Vec<Job>, StoreError> {
         let give_up = Instant::now() + spec.wait;
         let keys: HashSet<String> = spec.queues.iter().map(|q| queue_key(tenant, q)).collect();
@@ -92,8 +93,21 @@ impl WorkersApi {
                 return Ok(jobs);
             }
             let retry_at = give_up.min(now + self.ctx.settings.fallback_poll);
+            // Parked after the claim: a job submitted before this point
+            // wakes us through `wakeups` instead.
+            let mut parked = self.ctx.batchers.park(tenant, spec);
             loop {
                 tokio::select! {
+                    handed = async { parked.as_mut()?.handed().await }, if parked.is_some() => {
+                        match handed {
+                            Some(jobs) => return Ok(jobs),
+                            // Reserved by a submit that kept its jobs queued.
+                            None => {
+                                parked = None;
+                                break;
+                            }
+                        }
+                    }
                     message = wakeups.recv() => match message {
                         Ok(key) if wakes(&key) => break,
                         Ok(_) => continue,
@@ -104,8 +118,16 @@ impl WorkersApi {
                         }
                     },
                     () = tokio::time::sleep_until(retry_at) => break,
-                    () = self.ctx.shutdown.cancelled() => return Ok(Vec::new()),
+                    () = self.ctx.shutdown.cancelled() => break,
                 }
+            }
+            if let Some(parked) = parked
+                && let Some(jobs) = parked.leave().await
+            {
+                return Ok(jobs);
+            }
+            if self.ctx.shutdown.is_cancelled() {
+                return Ok(Vec::new());
             }
         }
     }

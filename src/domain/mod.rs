@@ -302,6 +302,15 @@ pub struct LeaseSpec {
     pub all_tenants: bool,
 }
 
+/// A `Lease` call waiting idle that a new job may go to directly: the job is
+/// stored already leased to `worker_id`, in the submit's own transaction,
+/// so the worker waits for one commit instead of two.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Handoff {
+    pub worker_id: String,
+    pub lease_duration: Duration,
+}
+
 /// A validated `Heartbeat` call.
 #[derive(Clone, Debug, PartialEq)]
 pub struct HeartbeatSpec {

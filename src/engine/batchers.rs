@@ -3,18 +3,20 @@
 
 use std::sync::Arc;
 
-use std::time::Duration;
-
-use crate::domain::{CompleteSpec, HeartbeatSpec, Job, LeaseSpec, NewJob};
+use crate::domain::{CompleteSpec, Job, LeaseSpec, NewJob};
 use crate::store::{Ended, Store, StoreResult, Submitted};
 
 use super::coalesce::{Coalescer, Flush, FlushFuture};
+use super::handoff::{self, Parked, Parking};
 
 /// Most jobs in one shared transaction (the API's batch limit).
 const MAX_WEIGHT: usize = 1000;
 
-/// The three coalescers, sharing one store.
+/// The three coalescers, sharing one store, and the idle `Lease` calls that
+/// submits may hand jobs to.
 pub struct Batchers {
+    store: Arc<dyn Store>,
+    parking: Arc<Parking>,
     submit: Coalescer<SubmitFlush>,
     lease: Coalescer<LeaseFlush>,
     complete: Coalescer<CompleteFlush>,
@@ -24,11 +26,34 @@ impl Batchers {
     /// Starts the coalescing tasks; each runs at most `in_flight`
     /// transactions at once.
     pub fn start(store: Arc<dyn Store>, in_flight: usize) -> Self {
+        let parking = Arc::new(Parking::default());
+        let submit = SubmitFlush {
+            store: Arc::clone(&store),
+            parking: Arc::clone(&parking),
+        };
         Batchers {
-            submit: Coalescer::start(SubmitFlush(Arc::clone(&store)), in_flight, MAX_WEIGHT),
+            submit: Coalescer::start(submit, in_flight, MAX_WEIGHT),
             lease: Coalescer::start(LeaseFlush(Arc::clone(&store)), in_flight, MAX_WEIGHT),
-            complete: Coalescer::start(CompleteFlush(store), in_flight, MAX_WEIGHT),
+            complete: Coalescer::start(CompleteFlush(Arc::clone(&store)), in_flight, MAX_WEIGHT),
+            store,
+            parking,
         }
+    }
+
+    /// Stores a batch of jobs in one transaction of its own, handing due
+    /// ones to idle `Lease` calls like a unary submit.
+    pub async fn submit_batch(
+        &self,
+        tenant: &str,
+        jobs: Vec<NewJob>,
+    ) -> StoreResult<Vec<StoreResult<Submitted>>> {
+        handoff::submit(&self.store, &self.parking, tenant, jobs).await
+    }
+
+    /// Parks a `Lease` call that found nothing, so that submits can hand
+    /// it jobs; `None` for a call that cannot take hand-offs.
+    pub fn park(&self, tenant: &str, spec: &LeaseSpec) -> Option<Parked> {
+        self.parking.park(tenant, spec)
     }
 
     /// Stores one job, in a transaction shared with concurrent submits of
@@ -60,7 +85,10 @@ impl Batchers {
     }
 }
 
-struct SubmitFlush(Arc<dyn Store>);
+struct SubmitFlush {
+    store: Arc<dyn Store>,
+    parking: Arc<Parking>,
+}
 
 impl Flush for SubmitFlush {
     type Key = String;
@@ -72,7 +100,7 @@ impl Flush for SubmitFlush {
     }
 
     fn flush(&self, tenant: String, jobs: Vec<NewJob>) -> FlushFuture<'_, Self::Answer> {
-        Box::pin(async move { self.0.submit(&tenant, jobs).await })
+        Box::pin(async move { handoff::submit(&self.store, &self.parking, &tenant, jobs).await })
     }
 }
 
@@ -116,31 +144,9 @@ impl Flush for LeaseFlush {
         Box::pin(async move { self.0.lease(&shape.tenant, &specs).await })
     }
 
-    /// Jobs leased to a caller that went away (a long-poll cut short by the
-    /// worker's own deadline, say) would sit out a whole lease. Their leases
-    /// are ended now instead, so the reaper's next pass hands them on, as
-    /// after a worker crash.
+    /// Jobs claimed for a caller that went away are not left to sit out
+    /// their lease.
     fn orphaned(&self, jobs: Vec<Job>) {
-        if jobs.is_empty() {
-            return;
-        }
-        let store = Arc::clone(&self.0);
-        tokio::spawn(async move {
-            for job in jobs {
-                let Some(lease_token) = job.lease_token else {
-                    continue;
-                };
-                let end_now = HeartbeatSpec {
-                    job_id: job.id,
-                    lease_token,
-                    extend_by: Duration::ZERO,
-                    progress: None,
-                    message: None,
-                };
-                if let Err(err) = store.heartbeat(&job.tenant, &end_now).await {
-                    tracing::warn!(error = %err, job_id = %job.id, "could not end the lease of a job whose Lease call went away");
-                }
-            }
-        });
+        handoff::end_leases(&self.0, jobs);
     }
 }

@@ -44,9 +44,12 @@ impl Changes {
         self.events.push(event.clone());
     }
 
-    /// Records a new job: nobody can be watching it yet, but its queue wakes.
+    /// Records a new job: nobody can be watching it yet, but its queue wakes
+    /// unless the job went straight to a waiting worker.
     pub fn submitted(&mut self, job: &Job) {
-        self.queues.insert(queue_key(&job.tenant, &job.queue));
+        if job.state == JobState::Queued {
+            self.queues.insert(queue_key(&job.tenant, &job.queue));
+        }
     }
 
     /// Records a job whose watchers should look again (a progress event).

@@ -18,8 +18,8 @@ use uuid::Uuid;
 use crate::config::Settings;
 use crate::domain::breaker::Breaker;
 use crate::domain::{
-    CompleteSpec, HeartbeatAck, HeartbeatSpec, Job, JobEvent, JobState, LeaseSpec, ListFilter,
-    NewJob, QueueStats, RetryFilter, RunningAttempt, WorkerSeen,
+    CompleteSpec, Handoff, HeartbeatAck, HeartbeatSpec, Job, JobEvent, JobState, LeaseSpec,
+    ListFilter, NewJob, QueueStats, RetryFilter, RunningAttempt, WorkerSeen,
 };
 use crate::engine::notifier::Notifier;
 
@@ -179,6 +179,23 @@ pub trait Store: Send + Sync + 'static {
         tenant: &str,
         jobs: Vec<NewJob>,
     ) -> StoreResult<Vec<StoreResult<Submitted>>>;
+
+    /// Like [`Store::submit`], but the `i`-th job goes straight to the
+    /// worker of `handoffs[i]` (stored `Running` under a new lease, with
+    /// its `LEASED` event after `SUBMITTED`) when a claim made now would
+    /// pick it: it is due, its queue is not paused, no breaker stands for
+    /// its kind, no running cap applies, and no queued job of its queue
+    /// that is due ranks above it. Otherwise it is stored `Queued`, as is
+    /// every job of a store that never hands off (the default).
+    async fn submit_handing(
+        &self,
+        tenant: &str,
+        jobs: Vec<NewJob>,
+        handoffs: Vec<Option<Handoff>>,
+    ) -> StoreResult<Vec<StoreResult<Submitted>>> {
+        let _ = handoffs;
+        self.submit(tenant, jobs).await
+    }
 
     /// One job.
     async fn get(&self, tenant: &str, id: Uuid) -> StoreResult<Job>;

@@ -30,8 +30,8 @@ use crate::config::Settings;
 use crate::domain::breaker::{self, Breaker, BreakerChange, BreakerPolicy};
 use crate::domain::transition::{self, TransitionError};
 use crate::domain::{
-    Backoff, CompleteSpec, EventType, HeartbeatAck, HeartbeatSpec, Job, JobError, JobEvent,
-    JobState, LeaseSpec, ListFilter, NewJob, RetryFilter, WorkerSeen,
+    Backoff, CompleteSpec, EventType, Handoff, HeartbeatAck, HeartbeatSpec, Job, JobError,
+    JobEvent, JobState, LeaseSpec, ListFilter, NewJob, RetryFilter, WorkerSeen,
 };
 use crate::engine::notifier::Notifier;
 
@@ -607,20 +607,75 @@ impl SqliteStore {
     }
 }
 
+/// Leases a job just inserted to a parked worker when a claim made now
+/// would pick it (see `Store::submit_handing`), with its `LEASED` event;
+/// `None` leaves it queued. Earlier jobs of the same submit are visible
+/// here; they come in priority order, so they never outrank it wrongly.
+async fn hand_off(tx: &mut Tx, id: Uuid, handoff: &Handoff, now: i64) -> StoreResult<Option<Job>> {
+    let row = sqlx::query(
+        "UPDATE jobs SET state = 'running', attempt = attempt + 1, lease_owner = ?2,
+            lease_token = lower(hex(randomblob(16))),
+            lease_expires_at = min(?3 + ?4, coalesce(deadline, ?3 + ?4)),
+            started_at = ?3, leased_at = ?3, updated_at = max(updated_at, ?3), progress = 0,
+            event_seq = event_seq + 1
+         WHERE id = ?1 AND state = 'queued' AND run_at <= ?3
+           AND (deadline IS NULL OR deadline > ?3)
+           AND NOT EXISTS (SELECT 1 FROM paused_queues p
+                           WHERE p.tenant = jobs.tenant AND p.queue = jobs.queue)
+           AND NOT EXISTS (SELECT 1 FROM breakers b
+                           WHERE b.tenant = jobs.tenant AND b.queue = jobs.queue
+                             AND b.kind = jobs.kind)
+           AND NOT EXISTS (SELECT 1 FROM jobs q
+                           WHERE q.tenant = jobs.tenant AND q.queue = jobs.queue
+                             AND q.state = 'queued' AND q.priority >= jobs.priority
+                             AND q.run_at <= ?3 AND q.id <> jobs.id)
+         RETURNING *",
+    )
+    .bind(id.to_string())
+    .bind(&handoff.worker_id)
+    .bind(now)
+    .bind(duration_ms(handoff.lease_duration))
+    .fetch_optional(&mut **tx)
+    .await?;
+    let Some(row) = row else {
+        return Ok(None);
+    };
+    let job = job_from_row(&row)?;
+    insert_event(tx, &JobEvent::leased(&job)).await?;
+    Ok(Some(job))
+}
+
 #[async_trait]
 impl Store for SqliteStore {
-    #[tracing::instrument(name = "store.submit", skip_all, fields(count = jobs.len()))]
     async fn submit(
         &self,
         tenant: &str,
         jobs: Vec<NewJob>,
     ) -> StoreResult<Vec<StoreResult<Submitted>>> {
+        self.submit_handing(tenant, jobs, Vec::new()).await
+    }
+
+    #[tracing::instrument(name = "store.submit", skip_all, fields(count = jobs.len()))]
+    async fn submit_handing(
+        &self,
+        tenant: &str,
+        jobs: Vec<NewJob>,
+        handoffs: Vec<Option<Handoff>>,
+    ) -> StoreResult<Vec<StoreResult<Submitted>>> {
         let mut tx = self.begin().await?;
         let now = ms(Utc::now());
         let mut results = Vec::with_capacity(jobs.len());
         let mut changes = Changes::default();
+        let mut handoffs = handoffs.into_iter();
         for new in jobs {
-            let result = self.submit_one(&mut tx, tenant, new, now).await?;
+            let handoff = handoffs.next().flatten().filter(|_| !self.caps.any());
+            let mut result = self.submit_one(&mut tx, tenant, new, now).await?;
+            if let (Ok(submitted), Some(handoff)) = (&mut result, handoff)
+                && submitted.created
+                && let Some(job) = hand_off(&mut tx, submitted.job.id, &handoff, now).await?
+            {
+                submitted.job = job;
+            }
             if let Ok(submitted) = &result
                 && submitted.created
             {
