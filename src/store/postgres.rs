@@ -163,11 +163,13 @@ fn event_from_row(row: &PgRow) -> StoreResult<JobEvent> {
     })
 }
 
-/// The multi-row submit with the hand-off condition spliced in: `false`
-/// for a submit that hands nothing off, so that the common statement has
-/// no guard to plan (planning it costs more than running it).
+/// The multi-row submit with the hand-off condition spliced in. A submit
+/// that hands nothing off says `false`, which the planner folds away, so
+/// the common statement has no guard to plan (planning it costs more than
+/// running it); one that does materialises the condition, or every use of
+/// `handed` would run the guard again.
 macro_rules! submit_statement {
-    ($handed:literal) => {
+    ($materialized:literal, $handed:literal) => {
         concat!(
             "WITH input AS (
                 SELECT * FROM unnest($2::uuid[], $3::text[], $4::text[], $5::jsonb[], $6::int4[],
@@ -177,7 +179,7 @@ macro_rules! submit_statement {
                   AS i(id, queue, kind, payload, max_attempts, priority, idempotency_key,
                        input_hash, labels, run_at, deadline, backoff_initial_ms, backoff_max_ms,
                        callback_url, max_cost_cents, trace_parent, worker, lease_ms, ord)
-             ), placed AS MATERIALIZED (
+             ), placed AS ", $materialized, " (
                 SELECT i.*, ", $handed, " AS handed FROM input i
              ), ins AS (
                 INSERT INTO jobs (id, tenant, queue, kind, state, payload, max_attempts, priority,
@@ -211,7 +213,7 @@ macro_rules! submit_statement {
 }
 
 /// [`submit_statement`] for a submit without hand-offs.
-const SUBMIT: &str = submit_statement!("false");
+const SUBMIT: &str = submit_statement!("NOT MATERIALIZED", "false");
 
 /// [`submit_statement`] handing a job off only where a claim made now
 /// would pick it: due, queue not paused, no breaker for its kind, and no
@@ -220,6 +222,7 @@ const SUBMIT: &str = submit_statement!("false");
 /// scanned). Its own jobs are invisible to the probe: the caller offers
 /// them in priority order.
 const SUBMIT_HANDING: &str = submit_statement!(
+    "MATERIALIZED",
     "i.worker IS NOT NULL
                 AND COALESCE(i.run_at, now()) <= now()
                 AND (i.deadline IS NULL OR i.deadline > now())
