@@ -2,12 +2,18 @@
 //! `queue_bound` queued jobs is refused with `RESOURCE_EXHAUSTED`.
 //!
 //! Counting a large queue on every submit would put a scan on the hot path,
-//! so each replica counts a queue at most once a second (once every ten
-//! seconds while it is under half the bound, since only a queue near its
-//! bound needs a fresh count) and adds what it admitted since. One call
-//! recounts while the others go on with the previous figure. The bound is
-//! therefore approximate: several replicas may together overshoot it by what
-//! they accept within one second.
+//! so each replica counts a queue now and then and adds what it admitted
+//! since. How long a count is trusted depends on how far the queue is from
+//! its bound: ten seconds while it is under half the bound; above that, the
+//! time this replica would take to fill the remaining room at the rate it
+//! has been admitting, divided by four to leave room for other replicas
+//! admitting as fast, but never less than a second. (Counting a queue of a
+//! million jobs costs about a tenth of a second of database CPU, so a
+//! count every second was a tax on a deep queue far from its bound.) One
+//! call recounts while the others go on with the previous figure. The bound
+//! is therefore approximate: several replicas may together overshoot it by
+//! what they accept within one trusted interval, which shrinks to a second
+//! as the queue nears the bound.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -18,15 +24,29 @@ use tokio::time::Instant;
 use super::status::ApiError;
 use crate::store::Store;
 
-/// How long a counted depth is trusted near the bound.
+/// The shortest time a count is trusted.
 const REFRESH: Duration = Duration::from_secs(1);
-/// How long a counted depth under half the bound is trusted.
+/// The longest time a count is trusted.
 const REFRESH_FAR: Duration = Duration::from_secs(10);
+/// Other replicas are assumed to admit up to this many times as fast as
+/// this one when a count's trust is sized to the room left.
+const REPLICA_ALLOWANCE: f64 = 4.0;
+
+/// One queue's depth as this replica sees it.
+#[derive(Clone, Copy, Debug)]
+struct Depth {
+    /// The last count plus what this replica admitted since.
+    queued: u64,
+    /// What this replica admitted since the count.
+    admitted: u64,
+    /// When it was counted.
+    at: Instant,
+}
 
 /// Per-replica view of queue depths.
 pub struct QueueDepths {
     bound: u64,
-    counted: Mutex<HashMap<(String, String), (u64, Instant)>>,
+    counted: Mutex<HashMap<(String, String), Depth>>,
 }
 
 impl QueueDepths {
@@ -38,29 +58,37 @@ impl QueueDepths {
         }
     }
 
+    /// How long `depth` may go without a recount at `now`.
+    fn trusted(&self, depth: &Depth, now: Instant) -> Duration {
+        if depth.queued < self.bound / 2 {
+            return REFRESH_FAR;
+        }
+        let room = self.bound.saturating_sub(depth.queued) as f64;
+        let elapsed = now.duration_since(depth.at).as_secs_f64().max(0.001);
+        let rate = depth.admitted as f64 / elapsed;
+        let seconds = room / (rate * REPLICA_ALLOWANCE).max(1.0);
+        Duration::from_secs_f64(seconds.min(REFRESH_FAR.as_secs_f64())).max(REFRESH)
+    }
+
     /// Whether this call should recount: the figure is missing or stale.
     /// A stale figure is marked fresh at once, so that concurrent calls go
     /// on with it instead of counting too.
     fn claim_recount(&self, key: &(String, String), now: Instant) -> bool {
         let mut counted = self.counted.lock().unwrap_or_else(|e| e.into_inner());
         if counted.len() > 10_000 {
-            counted.retain(|_, (_, at)| now.duration_since(*at) < REFRESH_FAR);
+            counted.retain(|_, d| now.duration_since(d.at) < REFRESH_FAR);
         }
-        match counted.get_mut(key) {
-            None => true,
-            Some((depth, at)) => {
-                let trusted = if *depth < self.bound / 2 {
-                    REFRESH_FAR
-                } else {
-                    REFRESH
-                };
-                if now.duration_since(*at) < trusted {
-                    return false;
-                }
-                *at = now;
-                true
-            }
+        let Some(depth) = counted.get(key).copied() else {
+            return true;
+        };
+        if now.duration_since(depth.at) < self.trusted(&depth, now) {
+            return false;
         }
+        if let Some(depth) = counted.get_mut(key) {
+            depth.at = now;
+            depth.admitted = 0;
+        }
+        true
     }
 
     /// Admits one more job into `queue`, or refuses it when the queue is full.
@@ -73,20 +101,70 @@ impl QueueDepths {
         let key = (tenant.to_owned(), queue.to_owned());
         let now = Instant::now();
         if self.claim_recount(&key, now) {
-            let depth = store.queued_count(tenant, queue).await?;
+            let queued = store.queued_count(tenant, queue).await?;
             let mut counted = self.counted.lock().unwrap_or_else(|e| e.into_inner());
-            counted.insert(key.clone(), (depth, now));
+            counted.insert(
+                key.clone(),
+                Depth {
+                    queued,
+                    admitted: 0,
+                    at: now,
+                },
+            );
         }
         let mut counted = self.counted.lock().unwrap_or_else(|e| e.into_inner());
-        let entry = counted.entry(key).or_insert((0, now));
-        if entry.0 >= self.bound {
+        let depth = counted.entry(key).or_insert(Depth {
+            queued: 0,
+            admitted: 0,
+            at: now,
+        });
+        if depth.queued >= self.bound {
             return Err(ApiError::QueueFull {
                 queue: queue.to_owned(),
                 bound: self.bound,
                 retry_after: REFRESH,
             });
         }
-        entry.0 += 1;
+        depth.queued += 1;
+        depth.admitted += 1;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn depth(queued: u64, admitted: u64, at: Instant) -> Depth {
+        Depth {
+            queued,
+            admitted,
+            at,
+        }
+    }
+
+    #[test]
+    fn a_count_is_trusted_longer_the_more_room_is_left() {
+        let depths = QueueDepths::new(1_000_000);
+        let at = Instant::now();
+        let later = at + Duration::from_secs(1);
+        // Under half the bound: ten seconds.
+        assert_eq!(
+            depths.trusted(&depth(400_000, 5_000, at), later),
+            REFRESH_FAR
+        );
+        // 500k of room at 1k/s here (4k/s allowed for all): still ten.
+        assert_eq!(
+            depths.trusted(&depth(500_000, 1_000, at), later),
+            REFRESH_FAR
+        );
+        // 20k of room at 1k/s: 20k / 4k = 5 s.
+        assert_eq!(
+            depths.trusted(&depth(980_000, 1_000, at), later),
+            Duration::from_secs(5)
+        );
+        // Almost full, or full: one second.
+        assert_eq!(depths.trusted(&depth(999_000, 1_000, at), later), REFRESH);
+        assert_eq!(depths.trusted(&depth(1_000_000, 0, at), later), REFRESH);
     }
 }
