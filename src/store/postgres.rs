@@ -217,10 +217,12 @@ const SUBMIT: &str = submit_statement!("NOT MATERIALIZED", "false");
 
 /// [`submit_statement`] handing a job off only where a claim made now
 /// would pick it: due, queue not paused, no breaker for its kind, and no
-/// due queued job at its priority or above (probed level by level, as the
-/// claim does, so that jobs scheduled for later are stepped over, not
-/// scanned). Its own jobs are invisible to the probe: the caller offers
-/// them in priority order.
+/// due queued job at its priority or above. That is probed level by level,
+/// as the claim does, each level by its first job in `run_at` order (a
+/// scalar subquery, so that no plan can turn it into a scan of every due
+/// job of the queue: an `EXISTS` became a hash join over a million rows).
+/// Its own jobs are invisible to the probe: the caller offers them in
+/// priority order.
 const SUBMIT_HANDING: &str = submit_statement!(
     "MATERIALIZED",
     "i.worker IS NOT NULL
@@ -244,10 +246,10 @@ const SUBMIT_HANDING: &str = submit_statement!(
                     )
                     SELECT 1 FROM levels l
                     WHERE l.priority >= i.priority
-                      AND EXISTS (SELECT 1 FROM jobs q
-                                  WHERE q.tenant = $1 AND q.queue = i.queue
-                                    AND q.state = 'queued' AND q.priority = l.priority
-                                    AND q.run_at <= now())
+                      AND (SELECT q.run_at FROM jobs q
+                           WHERE q.tenant = $1 AND q.queue = i.queue
+                             AND q.state = 'queued' AND q.priority = l.priority
+                           ORDER BY q.run_at LIMIT 1) <= now()
                 )"
 );
 
