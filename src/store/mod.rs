@@ -178,24 +178,23 @@ pub trait Store: Send + Sync + 'static {
         &self,
         tenant: &str,
         jobs: Vec<NewJob>,
-    ) -> StoreResult<Vec<StoreResult<Submitted>>>;
+    ) -> StoreResult<Vec<StoreResult<Submitted>>> {
+        self.submit_handing(tenant, jobs, Vec::new()).await
+    }
 
     /// Like [`Store::submit`], but the `i`-th job goes straight to the
     /// worker of `handoffs[i]` (stored `Running` under a new lease, with
     /// its `LEASED` event after `SUBMITTED`) when a claim made now would
     /// pick it: it is due, its queue is not paused, no breaker stands for
     /// its kind, no running cap applies, and no queued job of its queue
-    /// that is due ranks above it. Otherwise it is stored `Queued`, as is
-    /// every job of a store that never hands off (the default).
+    /// that is due ranks above it. Otherwise it is stored `Queued`. Missing
+    /// entries of `handoffs` mean no hand-off.
     async fn submit_handing(
         &self,
         tenant: &str,
         jobs: Vec<NewJob>,
         handoffs: Vec<Option<Handoff>>,
-    ) -> StoreResult<Vec<StoreResult<Submitted>>> {
-        let _ = handoffs;
-        self.submit(tenant, jobs).await
-    }
+    ) -> StoreResult<Vec<StoreResult<Submitted>>>;
 
     /// One job.
     async fn get(&self, tenant: &str, id: Uuid) -> StoreResult<Job>;

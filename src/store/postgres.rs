@@ -619,14 +619,6 @@ async fn listen(mut listener: PgListener, notifier: Arc<Notifier>, stop: Cancell
 
 #[async_trait]
 impl Store for PgStore {
-    async fn submit(
-        &self,
-        tenant: &str,
-        jobs: Vec<NewJob>,
-    ) -> StoreResult<Vec<StoreResult<Submitted>>> {
-        self.submit_handing(tenant, jobs, Vec::new()).await
-    }
-
     #[tracing::instrument(name = "store.submit", skip_all, fields(count = jobs.len()))]
     async fn submit_handing(
         &self,

@@ -647,14 +647,6 @@ async fn hand_off(tx: &mut Tx, id: Uuid, handoff: &Handoff, now: i64) -> StoreRe
 
 #[async_trait]
 impl Store for SqliteStore {
-    async fn submit(
-        &self,
-        tenant: &str,
-        jobs: Vec<NewJob>,
-    ) -> StoreResult<Vec<StoreResult<Submitted>>> {
-        self.submit_handing(tenant, jobs, Vec::new()).await
-    }
-
     #[tracing::instrument(name = "store.submit", skip_all, fields(count = jobs.len()))]
     async fn submit_handing(
         &self,
