@@ -2,13 +2,18 @@
 //! local notifier directly, other replicas through a `NOTIFY` sent after the
 //! commit, coalesced over whatever committed meanwhile (never one per job,
 //! and never inside the job's transaction: NOTIFY serialises commits).
+//!
+//! A replica hears its own notifications too. Each payload names the replica
+//! that sent it, so that its own are dropped: it has already woken its
+//! waiters, and a second wake-up would send every woken watcher to the
+//! database for nothing (two reads per watched job per transition).
 
 use std::collections::BTreeSet;
 
 use uuid::Uuid;
 
 use crate::domain::{Job, JobEvent, JobState};
-use crate::engine::notifier::{Notifier, queue_key};
+use crate::engine::notifier::{ANY_QUEUE, Notifier, queue_key};
 
 /// The channel intray's replicas `LISTEN` on.
 pub const CHANNEL: &str = "intray";
@@ -84,10 +89,12 @@ impl Changes {
         self.jobs.extend(other.jobs);
     }
 
-    /// The NOTIFY payloads: lines of `q:tenant/queue` or `j:id`, each payload
-    /// under PostgreSQL's size limit, or the one payload `*` (wake
-    /// everything) when there would be too many.
-    pub fn payloads(&self) -> Vec<String> {
+    /// The NOTIFY payloads: each starts with the line `r:origin` (the
+    /// sending replica) followed by lines of `q:tenant/queue` or `j:id`,
+    /// under PostgreSQL's size limit; or the one payload `r:origin` + `*`
+    /// (wake everything) when there would be too many.
+    pub fn payloads(&self, origin: Uuid) -> Vec<String> {
+        let header = format!("r:{origin}\n");
         let lines = self
             .queues
             .iter()
@@ -103,24 +110,32 @@ impl Changes {
                     last.push_str(&line);
                 }
             } else if out.len() == MAX_PAYLOADS {
-                return vec!["*".into()];
+                return vec![format!("{header}*")];
             } else {
-                out.push(line);
+                out.push(format!("{header}{line}"));
             }
         }
         out
     }
 }
 
-/// Applies a payload received from another replica's NOTIFY.
-pub fn wake_from_payload(payload: &str, notifier: &Notifier) {
-    if payload == "*" {
-        notifier.queue_ready(crate::engine::notifier::ANY_QUEUE);
-        notifier.all_jobs_changed();
+/// Applies a NOTIFY payload unless replica `own` sent it.
+pub fn wake_from_payload(payload: &str, own: Uuid, notifier: &Notifier) {
+    let mut lines = payload.lines().peekable();
+    let origin = lines
+        .peek()
+        .and_then(|line| line.strip_prefix("r:"))
+        .and_then(|id| Uuid::parse_str(id).ok());
+    if origin == Some(own) {
         return;
     }
-    for line in payload.lines() {
-        if let Some(key) = line.strip_prefix("q:") {
+    if origin.is_some() {
+        lines.next();
+    }
+    for line in lines {
+        if line == "*" {
+            wake_everything(notifier);
+        } else if let Some(key) = line.strip_prefix("q:") {
             notifier.queue_ready(key);
         } else if let Some(id) = line
             .strip_prefix("j:")
@@ -131,35 +146,69 @@ pub fn wake_from_payload(payload: &str, notifier: &Notifier) {
     }
 }
 
+/// Wakes every waiter of this replica (a notification overflowed, or some
+/// may have been lost).
+pub fn wake_everything(notifier: &Notifier) {
+    notifier.queue_ready(ANY_QUEUE);
+    notifier.all_jobs_changed();
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn payloads_split_under_the_limit_and_overflow_to_a_wildcard() {
+        let (origin, other) = (Uuid::new_v4(), Uuid::new_v4());
         let mut changes = Changes::default();
         let id = Uuid::now_v7();
         changes.jobs.push(id);
         changes.queues.insert("t/q".into());
-        assert_eq!(changes.payloads(), vec![format!("q:t/q\nj:{id}\n")]);
+        assert_eq!(
+            changes.payloads(origin),
+            vec![format!("r:{origin}\nq:t/q\nj:{id}\n")]
+        );
         let mut more = Changes::default();
         for _ in 0..1000 {
             more.jobs.push(Uuid::now_v7());
         }
         changes.merge(more);
-        let payloads = changes.payloads();
+        let payloads = changes.payloads(origin);
         assert!(payloads.len() > 1);
         assert!(payloads.iter().all(|p| p.len() <= MAX_PAYLOAD));
+        assert!(
+            payloads
+                .iter()
+                .all(|p| p.starts_with(&format!("r:{origin}\n")))
+        );
         let notifier = Notifier::new();
         let mut rx = notifier.subscribe_queues();
         for p in &payloads {
-            wake_from_payload(p, &notifier);
+            wake_from_payload(p, other, &notifier);
         }
         assert_eq!(&*rx.try_recv().expect("queue woken"), "t/q");
         let mut all = Changes::default();
         for _ in 0..(MAX_PAYLOADS * 250) {
             all.jobs.push(Uuid::now_v7());
         }
-        assert_eq!(all.payloads(), vec!["*".to_string()]);
+        assert_eq!(all.payloads(origin), vec![format!("r:{origin}\n*")]);
+    }
+
+    #[test]
+    fn a_replica_ignores_its_own_payloads_and_applies_the_others() {
+        let (own, other) = (Uuid::new_v4(), Uuid::new_v4());
+        let notifier = Notifier::new();
+        let mut rx = notifier.subscribe_queues();
+        let mut changes = Changes::default();
+        changes.queue("t", "q");
+        for p in changes.payloads(own) {
+            wake_from_payload(&p, own, &notifier);
+        }
+        assert!(rx.try_recv().is_err(), "its own wake-ups were already done");
+        wake_from_payload(&format!("r:{other}\n*"), own, &notifier);
+        assert_eq!(&*rx.try_recv().expect("wildcard"), ANY_QUEUE);
+        // A payload without an origin (an older replica) is applied.
+        wake_from_payload("q:t/q\n", own, &notifier);
+        assert_eq!(&*rx.try_recv().expect("legacy payload"), "t/q");
     }
 }

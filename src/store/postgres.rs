@@ -20,7 +20,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use super::changes::{CHANNEL, Changes, wake_from_payload};
+use super::changes::{CHANNEL, Changes, wake_everything, wake_from_payload};
 use super::{
     Ended, QueueDepth, QueueStatsBuilder, Reaped, Retried, RunningCaps, Stats, Store, StoreError,
     StoreResult, Submitted,
@@ -510,6 +510,7 @@ fn pairs(owned: &[(Job, JobEvent)]) -> Vec<(&Job, &JobEvent)> {
 /// re-read on a timer), so one lost in a crash costs latency, never a job.
 async fn announce(
     pool: PgPool,
+    origin: Uuid,
     mut committed: mpsc::UnboundedReceiver<Changes>,
     stop: CancellationToken,
 ) {
@@ -527,7 +528,7 @@ async fn announce(
         let sent =
             sqlx::query("SELECT pg_notify($1, payload) FROM unnest($2::text[]) AS p(payload)")
                 .bind(CHANNEL)
-                .bind(changes.payloads())
+                .bind(changes.payloads(origin))
                 .execute(&pool)
                 .await;
         if let Err(err) = sent {
@@ -548,13 +549,21 @@ impl PgStore {
         let listener_stop = CancellationToken::new();
         let mut listener = PgListener::connect_with(&pool).await?;
         listener.listen(CHANNEL).await?;
+        // Names this replica in its notifications, so it can skip its own.
+        let origin = Uuid::new_v4();
         tokio::spawn(listen(
             listener,
+            origin,
             Arc::clone(&notifier),
             listener_stop.clone(),
         ));
         let (committed, to_announce) = mpsc::unbounded_channel();
-        tokio::spawn(announce(pool.clone(), to_announce, listener_stop.clone()));
+        tokio::spawn(announce(
+            pool.clone(),
+            origin,
+            to_announce,
+            listener_stop.clone(),
+        ));
         Ok(PgStore {
             pool,
             notifier,
@@ -596,17 +605,22 @@ impl PgStore {
 }
 
 /// Forwards other replicas' NOTIFY payloads to the local notifier until
-/// `stop` fires. On a lost connection everything is woken, since messages
+/// `stop` fires, skipping those this replica (`own`) sent. On a lost connection everything is woken, since messages
 /// may have been missed meanwhile; `PgListener` reconnects on the next `recv`.
-async fn listen(mut listener: PgListener, notifier: Arc<Notifier>, stop: CancellationToken) {
+async fn listen(
+    mut listener: PgListener,
+    own: Uuid,
+    notifier: Arc<Notifier>,
+    stop: CancellationToken,
+) {
     loop {
         tokio::select! {
             () = stop.cancelled() => return,
             received = listener.recv() => match received {
-                Ok(note) => wake_from_payload(note.payload(), &notifier),
+                Ok(note) => wake_from_payload(note.payload(), own, &notifier),
                 Err(err) => {
                     tracing::warn!(error = %err, "notification listener lost its connection; retrying");
-                    wake_from_payload("*", &notifier);
+                    wake_everything(&notifier);
                     tokio::select! {
                         () = stop.cancelled() => return,
                         () = tokio::time::sleep(Duration::from_secs(1)) => {}

@@ -35,6 +35,9 @@ pub struct Watched {
     pub db_connections: Option<probe::PgConnections>,
     /// Per job: Complete call start to its watcher receiving the terminal event.
     pub latencies: Vec<Duration>,
+    /// Per job: the Complete call itself, the part of `latencies` spent
+    /// before the event is committed (the rest is delivery).
+    pub completes: Vec<Duration>,
 }
 
 /// Where the scenario looks at the server from outside.
@@ -132,12 +135,13 @@ pub async fn run(
     };
     progress(&format!("{streams} streams open; completing their jobs"));
     let started = complete_all(conn, queue, streams, workers).await?;
+    let completes = started.values().map(|c| c.took).collect();
     let mut latencies = Vec::with_capacity(started.len());
     let delivered = tokio::time::timeout(PHASE_LIMIT, async {
         while let Some(joined) = watchers.join_next().await {
             let (id, at) = joined??;
-            if let Some(start) = started.get(&id) {
-                latencies.push(at.saturating_duration_since(*start));
+            if let Some(call) = started.get(&id) {
+                latencies.push(at.saturating_duration_since(call.start));
             }
         }
         Ok::<_, BenchError>(())
@@ -158,17 +162,24 @@ pub async fn run(
         rss_watching,
         db_connections,
         latencies,
+        completes,
     })
 }
 
+/// When one job's Complete call started and how long it took.
+struct CompleteCall {
+    start: Instant,
+    took: Duration,
+}
+
 /// Leases and completes `jobs` jobs with `workers` workers (unary Complete),
-/// returning when each Complete call started, by job id.
+/// returning when each Complete call started and how long it took, by job id.
 async fn complete_all(
     conn: &Conn,
     queue: &str,
     jobs: u64,
     workers: usize,
-) -> Result<HashMap<String, Instant>, BenchError> {
+) -> Result<HashMap<String, CompleteCall>, BenchError> {
     let completed = Arc::new(AtomicU64::new(0));
     let done = CancellationToken::new();
     let mut tasks = JoinSet::new();
@@ -208,7 +219,7 @@ async fn complete_loop(
     jobs: u64,
     completed: Arc<AtomicU64>,
     done: CancellationToken,
-) -> Result<Vec<(String, Instant)>, BenchError> {
+) -> Result<Vec<(String, CompleteCall)>, BenchError> {
     let mut started = Vec::new();
     let limit = Instant::now();
     while !done.is_cancelled() {
@@ -225,11 +236,13 @@ async fn complete_loop(
         .into_inner()
         .jobs;
         for job in &leased {
-            started.push((job.job_id.clone(), Instant::now()));
+            let start = Instant::now();
             client
                 .complete(success(job))
                 .await
                 .map_err(|s| BenchError::rpc("Complete", s))?;
+            let took = start.elapsed();
+            started.push((job.job_id.clone(), CompleteCall { start, took }));
         }
         let n = leased.len() as u64;
         if completed.fetch_add(n, Ordering::Relaxed) + n >= jobs {
