@@ -44,6 +44,14 @@ pub async fn migrate(url: &str) -> StoreResult<()> {
     Ok(())
 }
 
+/// Opens the transaction of the claim and of the hand-off with the planner
+/// settings both need (why: at the claim). One constant, so the two cannot
+/// drift apart: the hand-off once lacked `enable_sort = off` and sorted a
+/// million queued jobs per submit.
+const PLANNED_TRANSACTION: &str = "BEGIN; SET LOCAL plan_cache_mode = force_generic_plan; \
+                                   SET LOCAL enable_seqscan = off; SET LOCAL enable_sort = off; \
+                                   SET LOCAL jit = off";
+
 /// The PostgreSQL implementation of [`Store`].
 pub struct PgStore {
     pool: PgPool,
@@ -605,8 +613,9 @@ impl PgStore {
 }
 
 /// Forwards other replicas' NOTIFY payloads to the local notifier until
-/// `stop` fires, skipping those this replica (`own`) sent. On a lost connection everything is woken, since messages
-/// may have been missed meanwhile; `PgListener` reconnects on the next `recv`.
+/// `stop` fires, skipping those this replica (`own`) sent. On a lost
+/// connection everything is woken, since messages may have been missed
+/// meanwhile; `PgListener` reconnects on the next `recv`.
 async fn listen(
     mut listener: PgListener,
     own: Uuid,
@@ -699,14 +708,7 @@ impl Store for PgStore {
             // for the claim, a plan made on stale statistics must not sort:
             // it sorted a million queued jobs per probe (350-400 ms) where
             // the claim index gives them in order (0.5-1.8 ms).
-            let mut tx = self
-                .pool
-                .begin_with(
-                    "BEGIN; SET LOCAL plan_cache_mode = force_generic_plan; \
-                     SET LOCAL enable_seqscan = off; SET LOCAL enable_sort = off; \
-                     SET LOCAL jit = off",
-                )
-                .await?;
+            let mut tx = self.pool.begin_with(PLANNED_TRANSACTION).await?;
             let rows = query.fetch_all(&mut *tx).await?;
             tx.commit().await?;
             rows
@@ -1048,13 +1050,7 @@ impl Store for PgStore {
         // and compiling the statement took a second: no JIT. Only for this
         // transaction (other statements keep their plans), and sent with
         // the BEGIN, in its round trip.
-        let mut tx = self
-            .pool
-            .begin_with(
-                "BEGIN; SET LOCAL plan_cache_mode = force_generic_plan; \
-                 SET LOCAL enable_seqscan = off; SET LOCAL enable_sort = off; SET LOCAL jit = off",
-            )
-            .await?;
+        let mut tx = self.pool.begin_with(PLANNED_TRANSACTION).await?;
         let only_tenant = (!spec.all_tenants).then_some(tenant);
         // Tenants: the caller's, or every tenant with queued jobs, found by a
         // skip scan over the claim index (one probe per tenant). Per tenant
