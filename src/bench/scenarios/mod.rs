@@ -339,6 +339,7 @@ pub async fn run(
                     .field("channels", watched.channels)
                     .latency("event", summarize(watched.latencies))
                     .latency("complete_call", summarize(watched.completes))
+                    .latency("delivery_after_answer", summarize(watched.deliveries))
                     .mib("rss_idle_mib", watched.rss_idle)
                     .mib("rss_watching_mib", watched.rss_watching)
                     .mib("rss_above_idle_mib", above)

@@ -38,6 +38,10 @@ pub struct Watched {
     /// Per job: the Complete call itself, the part of `latencies` spent
     /// before the event is committed (the rest is delivery).
     pub completes: Vec<Duration>,
+    /// Per job: the Complete call's answer to the watcher receiving the
+    /// event, zero when the event came first. The answer leaves after the
+    /// commit, so this bounds the delivery of a committed event from above.
+    pub deliveries: Vec<Duration>,
 }
 
 /// Where the scenario looks at the server from outside.
@@ -137,11 +141,13 @@ pub async fn run(
     let started = complete_all(conn, queue, streams, workers).await?;
     let completes = started.values().map(|c| c.took).collect();
     let mut latencies = Vec::with_capacity(started.len());
+    let mut deliveries = Vec::with_capacity(started.len());
     let delivered = tokio::time::timeout(PHASE_LIMIT, async {
         while let Some(joined) = watchers.join_next().await {
             let (id, at) = joined??;
             if let Some(call) = started.get(&id) {
                 latencies.push(at.saturating_duration_since(call.start));
+                deliveries.push(at.saturating_duration_since(call.start + call.took));
             }
         }
         Ok::<_, BenchError>(())
@@ -163,6 +169,7 @@ pub async fn run(
         db_connections,
         latencies,
         completes,
+        deliveries,
     })
 }
 
