@@ -166,6 +166,12 @@ fn check(reports: &[Value], backend: &str) {
     assert_eq!(number(row, "watchers"), WATCHERS as f64);
     assert_eq!(number(row, "channels"), 3.0);
     assert!(number(row, "event_p99_ms") >= 0.0);
+    // Per job, delivery after the answer is part of the latency from the
+    // call's start, so no percentile of it can be larger.
+    assert!(
+        number(row, "delivery_after_answer_p99_ms") <= number(row, "event_p99_ms"),
+        "{row}"
+    );
     assert!(number(row, "rss_idle_mib") > 0.0 && number(row, "rss_above_idle_mib") >= 0.0);
     assert_eq!(number(row, "stats_succeeded"), WATCHERS as f64);
     if backend == "postgres" {
