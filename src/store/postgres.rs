@@ -1103,8 +1103,8 @@ impl Store for PgStore {
                     -- backward scan that lands on its level's newest entry:
                     -- a level's oldest entries are where claims take jobs,
                     -- and until vacuum they are pages of dead entries that a
-                    -- forward probe steps through (1-5 ms per claim with a
-                    -- busy queue, against 0.05 ms).
+                    -- forward probe steps through (in psql during e2e:
+                    -- 0.9-5 ms forward, 0.05 ms backward).
                     WITH RECURSIVE levels(priority) AS (
                         SELECT (SELECT priority FROM jobs
                                 WHERE tenant = t.tenant AND queue = q.name AND state = 'queued'
