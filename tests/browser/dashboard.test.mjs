@@ -169,7 +169,11 @@ async function main() {
     await page.getByRole('button', { name: 'Pause queue mail' }).click();
     await page.locator('#confirm-ok').click();
     await page.locator('#message', { hasText: 'Queue mail paused.' }).waitFor();
-    check((await page.locator('#queues tr[data-queue="mail"] [data-field="paused"]').textContent()) === 'paused', 'mail shows paused');
+    // The message comes as soon as the call returns; the table follows
+    // once the page has read Stats again, so wait for it (bounded).
+    const mailPaused = page.locator('#queues tr[data-queue="mail"] [data-field="paused"]');
+    await mailPaused.filter({ hasText: 'paused' }).waitFor({ timeout: 5000 }).catch(() => {});
+    check((await mailPaused.textContent()) === 'paused', 'mail shows paused');
     await page.getByRole('button', { name: 'Resume queue mail' }).click();
     await page.locator('#confirm-ok').click();
     await page.locator('#message', { hasText: 'Queue mail resumed.' }).waitFor();
