@@ -8,7 +8,6 @@ use std::time::Duration;
 use common::*;
 use intray::pb::{self, JobState as St};
 use serde_json::json;
-use sqlx::{Connection, Row};
 use tonic::Code;
 use tonic_types::StatusExt;
 
@@ -249,26 +248,6 @@ async fn retention_deletes_old_finished_jobs(backend: Backend) {
 
 /// Rows of `job_events` for one job, read directly from the database.
 async fn event_rows(server: &TestServer, id: &str) -> i64 {
-    let url = &server.settings.database_url;
-    match server.backend {
-        Backend::Postgres => {
-            let mut c = sqlx::PgConnection::connect(url).await.expect("connect");
-            let id: uuid::Uuid = id.parse().expect("job id");
-            sqlx::query("SELECT count(*) AS n FROM job_events WHERE job_id = $1")
-                .bind(id)
-                .fetch_one(&mut c)
-                .await
-                .expect("count")
-                .get("n")
-        }
-        Backend::Sqlite => {
-            let mut c = sqlx::SqliteConnection::connect(url).await.expect("connect");
-            sqlx::query("SELECT count(*) AS n FROM job_events WHERE job_id = ?")
-                .bind(id)
-                .fetch_one(&mut c)
-                .await
-                .expect("count")
-                .get("n")
-        }
-    }
+    let sql = "SELECT count(*) FROM job_events WHERE CAST(job_id AS TEXT) = $1";
+    db_integers(server.backend, &server.settings.database_url, sql, &[id]).await[0]
 }

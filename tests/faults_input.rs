@@ -15,7 +15,6 @@ use std::time::Duration;
 use common::*;
 use intray::pb;
 use serde_json::json;
-use sqlx::{Connection, Row};
 use tonic::Code;
 
 common::backend_tests!(bad_input_writes_nothing, bounds_are_inclusive);
@@ -43,20 +42,9 @@ const TENANT: &str = "bad";
 
 /// (rows in `jobs`, rows in `job_events`), read directly from the database.
 async fn rows(server: &TestServer) -> (i64, i64) {
-    let url = &server.settings.database_url;
-    let sql = "SELECT (SELECT count(*) FROM jobs) AS j, (SELECT count(*) FROM job_events) AS e";
-    match server.backend {
-        Backend::Postgres => {
-            let mut c = sqlx::PgConnection::connect(url).await.expect("connect");
-            let r = sqlx::query(sql).fetch_one(&mut c).await.expect("count");
-            (r.get("j"), r.get("e"))
-        }
-        Backend::Sqlite => {
-            let mut c = sqlx::SqliteConnection::connect(url).await.expect("connect");
-            let r = sqlx::query(sql).fetch_one(&mut c).await.expect("count");
-            (r.get("j"), r.get("e"))
-        }
-    }
+    let sql = "SELECT (SELECT count(*) FROM jobs), (SELECT count(*) FROM job_events)";
+    let n = db_integers(server.backend, &server.settings.database_url, sql, &[]).await;
+    (n[0], n[1])
 }
 
 fn nested(depth: usize) -> serde_json::Value {

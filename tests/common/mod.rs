@@ -162,6 +162,37 @@ async fn pg_admin(admin: &str) -> sqlx::PgConnection {
     }
 }
 
+/// Runs `sql` directly on a test database, behind the server's back, and
+/// returns the first row's columns as integers (NULL as 0): how tests check
+/// what the server wrote (or did not). `binds` are bound as text to `$1`,
+/// `$2`, ..., which both backends accept; compare a UUID column as
+/// `CAST(col AS TEXT)`.
+pub async fn db_integers(backend: Backend, url: &str, sql: &str, binds: &[&str]) -> Vec<i64> {
+    use sqlx::Row;
+    macro_rules! read {
+        ($conn:ty) => {{
+            let mut c = <$conn>::connect(url)
+                .await
+                .unwrap_or_else(|e| panic!("connect to {url}: {e}"));
+            let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
+            for value in binds {
+                query = query.bind(*value);
+            }
+            let row = query
+                .fetch_one(&mut c)
+                .await
+                .unwrap_or_else(|e| panic!("{sql}: {e}"));
+            (0..row.len())
+                .map(|i| row.get::<Option<i64>, _>(i).unwrap_or(0))
+                .collect()
+        }};
+    }
+    match backend {
+        Backend::Postgres => read!(sqlx::PgConnection),
+        Backend::Sqlite => read!(sqlx::SqliteConnection),
+    }
+}
+
 /// `postgres://u@h:p/admin?x=y` with the database name replaced.
 fn replace_db_name(url: &str, name: &str) -> String {
     let (base, query) = match url.split_once('?') {

@@ -21,7 +21,7 @@ use sqlx::{Connection, Row};
 use tokio::process::{Child, Command};
 use tonic::transport::{Channel, Endpoint};
 
-use crate::common::{Backend, DEFAULT_PG_URL, Tenant};
+use crate::common::{Backend, DEFAULT_PG_URL, Tenant, db_integers};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_intray");
 pub const TENANT: &str = "faults";
@@ -164,56 +164,16 @@ impl Db {
 
     /// Jobs not yet in a terminal state, and all jobs.
     pub async fn progress(&self) -> (i64, i64) {
-        let sql = "SELECT count(*) FILTER (WHERE state IN ('queued', 'running')) AS open, count(*) AS n FROM jobs";
-        let sqlite = "SELECT sum(state IN ('queued', 'running')) AS open, count(*) AS n FROM jobs";
-        match self.backend {
-            Backend::Postgres => {
-                let mut c = sqlx::PgConnection::connect(&self.url)
-                    .await
-                    .expect("connect");
-                let r = sqlx::query(sql).fetch_one(&mut c).await.expect("progress");
-                (r.get("open"), r.get("n"))
-            }
-            Backend::Sqlite => {
-                let mut c = sqlx::SqliteConnection::connect(&self.url)
-                    .await
-                    .expect("connect");
-                let r = sqlx::query(sqlite)
-                    .fetch_one(&mut c)
-                    .await
-                    .expect("progress");
-                (r.get::<Option<i64>, _>("open").unwrap_or(0), r.get("n"))
-            }
-        }
+        let sql =
+            "SELECT count(*) FILTER (WHERE state IN ('queued', 'running')), count(*) FROM jobs";
+        let n = db_integers(self.backend, &self.url, sql, &[]).await;
+        (n[0], n[1])
     }
 
     /// Jobs in `state`.
     pub async fn count_state(&self, state: &str) -> i64 {
-        let sql = "SELECT count(*) AS n FROM jobs WHERE state = $1";
-        match self.backend {
-            Backend::Postgres => {
-                let mut c = sqlx::PgConnection::connect(&self.url)
-                    .await
-                    .expect("connect");
-                sqlx::query(sql)
-                    .bind(state)
-                    .fetch_one(&mut c)
-                    .await
-                    .expect("count")
-                    .get("n")
-            }
-            Backend::Sqlite => {
-                let mut c = sqlx::SqliteConnection::connect(&self.url)
-                    .await
-                    .expect("connect");
-                sqlx::query(sql)
-                    .bind(state)
-                    .fetch_one(&mut c)
-                    .await
-                    .expect("count")
-                    .get("n")
-            }
-        }
+        let sql = "SELECT count(*) FROM jobs WHERE state = $1";
+        db_integers(self.backend, &self.url, sql, &[state]).await[0]
     }
 
     /// Every job, and every job's events in sequence order.
