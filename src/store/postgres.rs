@@ -1190,8 +1190,8 @@ impl Store for PgStore {
                 SELECT id, event_seq, 'leased', 'running', attempt, lease_owner, updated_at FROM upd
              ), probes AS (
                 -- A job leased from a half-open breaker is its probe. Only
-                -- a candidate with a breaker can be one, so without such a
-                -- candidate there is no breaker to look up per leased job.
+                -- a candidate flagged half_open can be one, so without such
+                -- a candidate no leased job needs its breaker looked up.
                 UPDATE breakers b SET probe_job = u.id, updated_at = now()
                 FROM upd u
                 WHERE EXISTS (SELECT 1 FROM candidates WHERE half_open)
