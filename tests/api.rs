@@ -934,6 +934,34 @@ async fn watch_live_push(backend: Backend) {
         }
         assert_eq!(sequences(&seen), vec![2, 3]);
         assert_eq!(event_types(&seen), vec![Ev::Leased, Ev::Succeeded]);
+
+        // Mixed: the lease is committed on the watcher's replica (its event
+        // comes from memory, after which the watcher does not read), the
+        // completion on the other one; that must still reach it.
+        let job = submit(&mut jobs, "live-mixed", "k", json!({})).await;
+        let mut stream = remote
+            .watch_job(pb::WatchJobRequest {
+                id: job.id.clone(),
+                after_sequence: 1,
+            })
+            .await
+            .expect("WatchJob on the replica")
+            .into_inner();
+        let mut local_workers = replica.workers_client("t");
+        let leased = lease_one(&mut local_workers, "w", "live-mixed").await;
+        let first = tokio::time::timeout(quick, stream.next())
+            .await
+            .expect("the local lease event within 3 s")
+            .expect("an event")
+            .expect("event, not an error");
+        assert_eq!((first.sequence, event_type(&first)), (2, Ev::Leased));
+        complete_ok(&mut workers, &leased).await;
+        let last = tokio::time::timeout(quick, stream.next())
+            .await
+            .expect("the remote completion within 3 s")
+            .expect("an event")
+            .expect("event, not an error");
+        assert_eq!((last.sequence, event_type(&last)), (3, Ev::Succeeded));
         replica.stop().await;
     }
     server.stop().await;

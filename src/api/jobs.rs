@@ -348,6 +348,9 @@ struct Watching {
     after: u64,
     ready: VecDeque<JobEvent>,
     done: bool,
+    /// The job's count of unkept changes before the last read that found
+    /// nothing new; `None` when the next wake-up must read.
+    read_at: Option<u64>,
 }
 
 /// The events of a `WatchJob` stream: the stored events after `after`, then
@@ -370,6 +373,7 @@ fn watch_events(ctx: Context, tenant: String, id: Uuid, after: u64) -> WatchStre
         after,
         ready: VecDeque::new(),
         done: false,
+        read_at: None,
     };
     Box::pin(futures::stream::unfold(start, |mut w| async move {
         if w.ready.is_empty()
@@ -396,26 +400,41 @@ impl Watching {
             // Before reading, so that a commit in between still wakes us.
             woken.as_mut().enable();
 
+            let unkept = self.watch.unkept_changes();
             let kept = self.watch.events_after(self.after);
-            let events = if kept.is_empty() {
-                self.ctx
-                    .store
-                    .events_after(&self.tenant, self.id, self.after, WATCH_BATCH)
-                    .await?
-            } else {
-                kept
-            };
-            if !events.is_empty() {
-                self.ready.extend(events);
+            if !kept.is_empty() {
+                self.ready.extend(kept);
                 return Ok(());
             }
-            if finished_before(&*self.ctx.store, &self.tenant, self.id, self.after).await? {
-                self.done = true;
-                return Ok(());
+            // Nothing kept continues the stream. Read, unless it was read
+            // since the last change only the database knows about and
+            // nothing newer is kept (behind a gap): then every event
+            // committed since came through memory, and was sent. Without
+            // this, each kept event sent would cost two reads.
+            let settled = self.read_at == Some(unkept) && !self.watch.keeps_after(self.after);
+            if !settled {
+                let events = self
+                    .ctx
+                    .store
+                    .events_after(&self.tenant, self.id, self.after, WATCH_BATCH)
+                    .await?;
+                if !events.is_empty() {
+                    // A batch may not be all there is: read again after it.
+                    self.read_at = None;
+                    self.ready.extend(events);
+                    return Ok(());
+                }
+                if finished_before(&*self.ctx.store, &self.tenant, self.id, self.after).await? {
+                    self.done = true;
+                    return Ok(());
+                }
+                self.read_at = Some(unkept);
             }
             tokio::select! {
                 () = &mut woken => {}
-                () = tokio::time::sleep(self.ctx.settings.watch_fallback_poll) => {}
+                () = tokio::time::sleep(self.ctx.settings.watch_fallback_poll) => {
+                    self.read_at = None;
+                }
                 () = self.ctx.shutdown.cancelled() => {
                     self.done = true;
                     return Ok(());

@@ -9,9 +9,13 @@
 //! moment, so that its watchers take them from memory instead of each
 //! reading the database after every wake-up (ten thousand streams woken at
 //! once would queue for the connection pool). A watcher uses them only when
-//! they continue its stream without a gap; otherwise it reads.
+//! they continue its stream without a gap; otherwise it reads. Each watched
+//! job also counts the changes whose events are not kept here (other
+//! replicas', events dropped from memory): while that count stands still and
+//! nothing newer is kept, a watcher that has read once has nothing to read.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::{Notify, broadcast};
@@ -38,6 +42,8 @@ struct Watched {
     notify: Notify,
     /// The job's latest committed events, in sequence order.
     recent: Mutex<VecDeque<JobEvent>>,
+    /// Changes whose events are not in `recent`: only the database has them.
+    unkept: AtomicU64,
 }
 
 impl Default for Notifier {
@@ -76,17 +82,18 @@ impl Notifier {
         self.queues.subscribe()
     }
 
-    /// Wakes the watchers of a job.
+    /// Wakes the watchers of a job that changed in a way only the database
+    /// knows (another replica's commit, or an event not kept here).
     pub fn job_changed(&self, id: Uuid) {
         // Notified under the lock: a clone taken out of it would make a
         // concurrent drop believe another watcher is left.
         if let Some(watched) = self.lock_jobs().get(&id) {
-            watched.notify.notify_waiters();
+            watched.unkept_change();
         }
     }
 
-    /// Keeps committed events of watched jobs for their watchers; call it
-    /// after the commit and before the wake-up. Events of jobs nobody
+    /// Keeps events this replica committed for the watchers of their jobs
+    /// and wakes them; call it after the commit. Events of jobs nobody
     /// watches are not copied.
     pub fn events_committed<'a>(&self, events: impl IntoIterator<Item = &'a JobEvent>) {
         let jobs = self.lock_jobs();
@@ -98,21 +105,25 @@ impl Notifier {
                 let mut recent = lock(&watched.recent);
                 if recent.back().is_some_and(|e| e.sequence >= event.sequence) {
                     // Out of order (two transactions of one job committing
-                    // close together): the watchers read instead.
+                    // close together): what was kept is forgotten, so the
+                    // watchers read instead.
                     recent.clear();
+                    watched.unkept.fetch_add(1, Ordering::SeqCst);
                 }
                 if recent.len() == RECENT_EVENTS {
                     recent.pop_front();
                 }
                 recent.push_back(event.clone());
+                watched.notify.notify_waiters();
             }
         }
     }
 
-    /// Wakes every watcher (used when a notification may have been lost).
+    /// Wakes every watcher to read (used when a notification may have been
+    /// lost).
     pub fn all_jobs_changed(&self) {
         for watched in self.lock_jobs().values() {
-            watched.notify.notify_waiters();
+            watched.unkept_change();
         }
     }
 
@@ -153,7 +164,8 @@ impl JobWatch {
     }
 
     /// The kept events right after sequence `after`, when they continue it
-    /// without a gap; empty when the database must be read.
+    /// without a gap; empty when there are none or the database must be
+    /// read ([`JobWatch::keeps_after`] tells which).
     pub fn events_after(&self, after: u64) -> Vec<JobEvent> {
         let recent = lock(&self.watched.recent);
         let next = recent.iter().position(|e| e.sequence > after);
@@ -161,6 +173,28 @@ impl JobWatch {
             Some(i) if recent[i].sequence == after + 1 => recent.range(i..).cloned().collect(),
             _ => Vec::new(),
         }
+    }
+
+    /// Whether an event after `after` is kept, even one behind a gap.
+    pub fn keeps_after(&self, after: u64) -> bool {
+        lock(&self.watched.recent)
+            .back()
+            .is_some_and(|e| e.sequence > after)
+    }
+
+    /// How many changes of the job only the database knows about; a
+    /// watcher that read after this count had its value, and finds it
+    /// unchanged and nothing kept after its last event, has nothing to read.
+    pub fn unkept_changes(&self) -> u64 {
+        self.watched.unkept.load(Ordering::SeqCst)
+    }
+}
+
+impl Watched {
+    /// Counts a change only the database knows about, then wakes.
+    fn unkept_change(&self) {
+        self.unkept.fetch_add(1, Ordering::SeqCst);
+        self.notify.notify_waiters();
     }
 }
 
@@ -237,6 +271,31 @@ mod tests {
         }
         assert!(watch.events_after(4).is_empty(), "too far behind: read");
         assert_eq!(watch.events_after(38).len(), 1);
+    }
+
+    #[tokio::test]
+    async fn kept_events_wake_without_counting_and_the_rest_count() {
+        let notifier = Arc::new(Notifier::new());
+        let id = Uuid::now_v7();
+        let watch = notifier.watch_job(id);
+        let woken = watch.notify().notified();
+        tokio::pin!(woken);
+        woken.as_mut().enable();
+        notifier.events_committed([&event(id, 1)]);
+        tokio::time::timeout(Duration::from_secs(1), woken)
+            .await
+            .expect("a kept event wakes");
+        assert_eq!(watch.unkept_changes(), 0, "memory has it: nothing to read");
+        assert!(watch.keeps_after(0) && !watch.keeps_after(1));
+        notifier.job_changed(id);
+        assert_eq!(watch.unkept_changes(), 1, "only the database has it");
+        notifier.all_jobs_changed();
+        assert_eq!(watch.unkept_changes(), 2);
+        notifier.events_committed([&event(id, 3)]);
+        assert_eq!(watch.unkept_changes(), 2, "in order, kept");
+        assert!(watch.keeps_after(1), "3 kept behind the missing 2: read");
+        notifier.events_committed([&event(id, 2)]);
+        assert_eq!(watch.unkept_changes(), 3, "out of order: 3 forgotten, read");
     }
 
     #[tokio::test]

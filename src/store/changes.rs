@@ -28,8 +28,10 @@ const MAX_PAYLOADS: usize = 32;
 #[derive(Debug, Default)]
 pub struct Changes {
     queues: BTreeSet<String>,
+    /// Changed jobs whose events are not in `events`: this replica's
+    /// watchers of them read the database.
     jobs: Vec<Uuid>,
-    /// Events this process wrote, for its own watchers only (other replicas
+    /// Events this process wrote, kept for its own watchers (other replicas
     /// read them from the database).
     events: Vec<JobEvent>,
 }
@@ -38,15 +40,19 @@ impl Changes {
     /// Records a job as it is after the transition.
     pub fn job(&mut self, job: &Job) {
         self.jobs.push(job.id);
-        if job.state == JobState::Queued {
-            self.queues.insert(queue_key(&job.tenant, &job.queue));
-        }
+        self.runnable(job);
     }
 
     /// Records a job as it is after the transition, and the event it wrote.
     pub fn job_event(&mut self, job: &Job, event: &JobEvent) {
-        self.job(job);
         self.events.push(event.clone());
+        self.runnable(job);
+    }
+
+    fn runnable(&mut self, job: &Job) {
+        if job.state == JobState::Queued {
+            self.queues.insert(queue_key(&job.tenant, &job.queue));
+        }
     }
 
     /// Records a new job: nobody can be watching it yet, but its queue wakes
@@ -69,7 +75,7 @@ impl Changes {
 
     /// Nothing to tell anyone.
     pub fn is_empty(&self) -> bool {
-        self.queues.is_empty() && self.jobs.is_empty()
+        self.queues.is_empty() && self.jobs.is_empty() && self.events.is_empty()
     }
 
     /// Wakes this process's waiters.
@@ -87,6 +93,7 @@ impl Changes {
     pub fn merge(&mut self, other: Changes) {
         self.queues.extend(other.queues);
         self.jobs.extend(other.jobs);
+        self.events.extend(other.events);
     }
 
     /// The NOTIFY payloads: each starts with the line `r:origin` (the
@@ -95,11 +102,12 @@ impl Changes {
     /// (wake everything) when there would be too many.
     pub fn payloads(&self, origin: Uuid) -> Vec<String> {
         let header = format!("r:{origin}\n");
-        let lines = self
-            .queues
-            .iter()
-            .map(|key| format!("q:{key}\n"))
-            .chain(self.jobs.iter().map(|id| format!("j:{id}\n")));
+        let lines = self.queues.iter().map(|key| format!("q:{key}\n")).chain(
+            self.jobs
+                .iter()
+                .chain(self.events.iter().map(|e| &e.job_id))
+                .map(|id| format!("j:{id}\n")),
+        );
         let mut out: Vec<String> = Vec::new();
         for line in lines {
             let fits = out

@@ -552,6 +552,12 @@ impl PgStore {
         let pool = PgPoolOptions::new()
             .max_connections(settings.max_connections)
             .acquire_timeout(Duration::from_secs(5))
+            // sqlx pings every connection it hands out (and again when it
+            // takes it back): a round trip before each hot-path transaction.
+            // A connection that died is found by its first statement
+            // instead, which fails UNAVAILABLE like any outage (callers
+            // retry) and is then closed by the pool's release ping.
+            .test_before_acquire(false)
             .connect(&settings.database_url)
             .await?;
         MIGRATOR.run(&pool).await?;
