@@ -915,14 +915,7 @@ async fn watch_live_push(backend: Backend) {
             .await;
         let job = submit(&mut jobs, "live-remote", "k", json!({})).await;
         let mut remote = replica.jobs_client("t");
-        let mut stream = remote
-            .watch_job(pb::WatchJobRequest {
-                id: job.id.clone(),
-                after_sequence: 1,
-            })
-            .await
-            .expect("WatchJob on the replica")
-            .into_inner();
+        let mut stream = open_watch(&mut remote, &job.id, 1).await;
         let leased = lease_one(&mut workers, "w", "live-remote").await;
         complete_ok(&mut workers, &leased).await;
         let mut seen = Vec::new();
@@ -939,28 +932,13 @@ async fn watch_live_push(backend: Backend) {
         // comes from memory, after which the watcher does not read), the
         // completion on the other one; that must still reach it.
         let job = submit(&mut jobs, "live-mixed", "k", json!({})).await;
-        let mut stream = remote
-            .watch_job(pb::WatchJobRequest {
-                id: job.id.clone(),
-                after_sequence: 1,
-            })
-            .await
-            .expect("WatchJob on the replica")
-            .into_inner();
+        let mut stream = open_watch(&mut remote, &job.id, 1).await;
         let mut local_workers = replica.workers_client("t");
         let leased = lease_one(&mut local_workers, "w", "live-mixed").await;
-        let first = tokio::time::timeout(quick, stream.next())
-            .await
-            .expect("the local lease event within 3 s")
-            .expect("an event")
-            .expect("event, not an error");
+        let first = next_event(&mut stream, quick, "the local lease event").await;
         assert_eq!((first.sequence, event_type(&first)), (2, Ev::Leased));
         complete_ok(&mut workers, &leased).await;
-        let last = tokio::time::timeout(quick, stream.next())
-            .await
-            .expect("the remote completion within 3 s")
-            .expect("an event")
-            .expect("event, not an error");
+        let last = next_event(&mut stream, quick, "the remote completion").await;
         assert_eq!((last.sequence, event_type(&last)), (3, Ev::Succeeded));
         replica.stop().await;
     }

@@ -657,6 +657,34 @@ pub async fn make_failed(
     done
 }
 
+/// Opens a `WatchJob` stream of a job's events after `after`.
+pub async fn open_watch(
+    jobs: &mut JobsClient,
+    id: &str,
+    after: u64,
+) -> tonic::Streaming<pb::JobEvent> {
+    jobs.watch_job(pb::WatchJobRequest {
+        id: id.into(),
+        after_sequence: after,
+    })
+    .await
+    .unwrap_or_else(|s| panic!("WatchJob {id}: {s:?}"))
+    .into_inner()
+}
+
+/// The next event of a watch stream, which must come within `within`.
+pub async fn next_event(
+    stream: &mut tonic::Streaming<pb::JobEvent>,
+    within: Duration,
+    what: &str,
+) -> pb::JobEvent {
+    tokio::time::timeout(within, stream.next())
+        .await
+        .unwrap_or_else(|_| panic!("{what}: no event within {within:?}"))
+        .unwrap_or_else(|| panic!("{what}: the stream ended"))
+        .unwrap_or_else(|s| panic!("{what}: stream error {s:?}"))
+}
+
 /// Every event of a job after `after`, up to the end of the stream, which
 /// must come within `within`.
 pub async fn watch_all(
@@ -666,14 +694,7 @@ pub async fn watch_all(
     within: Duration,
 ) -> Vec<pb::JobEvent> {
     let fut = async {
-        let mut stream = jobs
-            .watch_job(pb::WatchJobRequest {
-                id: id.into(),
-                after_sequence: after,
-            })
-            .await
-            .unwrap_or_else(|s| panic!("WatchJob {id}: {s:?}"))
-            .into_inner();
+        let mut stream = open_watch(jobs, id, after).await;
         let mut events = Vec::new();
         while let Some(item) = stream.next().await {
             events.push(item.unwrap_or_else(|s| panic!("WatchJob {id} stream error: {s:?}")));
