@@ -1,8 +1,9 @@
-//! Spend-bounded retries, queue pause/resume, the queue bound and retention,
-//! on both backends through real gRPC.
+//! Spend-bounded retries, queue pause/resume, the queue bound, retention and
+//! the job counts behind them, on both backends through real gRPC.
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::*;
@@ -17,6 +18,7 @@ common::backend_tests!(
     resume_wakes_a_waiting_worker,
     queue_bound_refuses_with_retry_info,
     retention_deletes_old_finished_jobs,
+    counts_follow_concurrent_transitions,
 );
 
 fn with_cost(mut r: pb::CompleteRequest, cents: i64) -> pb::CompleteRequest {
@@ -243,6 +245,158 @@ async fn retention_deletes_old_finished_jobs(backend: Backend) {
         St::Queued,
         "queued jobs stay"
     );
+    let counted = stats_counts(&mut jobs).await;
+    assert_eq!(
+        counted.get(&("r".to_owned(), St::Succeeded)),
+        None,
+        "a deleted job leaves the counts: {counted:?}"
+    );
+    assert_eq!(counted.get(&("r2".to_owned(), St::Queued)), Some(&1));
+    server.stop().await;
+}
+
+/// Stats counts by (queue, state), zero counts left out.
+async fn stats_counts(jobs: &mut JobsClient) -> BTreeMap<(String, St), u64> {
+    let stats = jobs
+        .stats(pb::StatsRequest::default())
+        .await
+        .expect("Stats")
+        .into_inner();
+    let mut counted = BTreeMap::new();
+    for queue in stats.queues {
+        for c in queue.counts.iter().filter(|c| c.count > 0) {
+            let state = St::try_from(c.state).expect("a known state");
+            counted.insert((queue.queue.clone(), state), c.count);
+        }
+    }
+    counted
+}
+
+/// The counts that Stats, the gauges and the queue bound read are kept
+/// apart from the jobs (PostgreSQL folds per-statement deltas): after
+/// concurrent submits, claims, successes, retries, final failures, expired
+/// leases and cancels through two replicas, they equal a direct count of
+/// the table.
+async fn counts_follow_concurrent_transitions(backend: Backend) {
+    const PRODUCERS: usize = 4;
+    const PER_PRODUCER: usize = 40;
+    const WORKERS: usize = 6;
+    let server = TestServer::start_with(backend, |s| {
+        s.reaper_interval = Duration::from_millis(100);
+    })
+    .await;
+    let replica = match backend {
+        Backend::Postgres => Some(server.start_replica().await),
+        Backend::Sqlite => None,
+    };
+    let target = |i: usize| match (&replica, i % 2) {
+        (Some(rep), 1) => rep,
+        _ => &server,
+    };
+    let queues = ["c1", "c2"];
+
+    let mut tasks = Vec::new();
+    for p in 0..PRODUCERS {
+        let mut jobs = target(p).jobs_client("t");
+        tasks.push(tokio::spawn(async move {
+            for i in 0..PER_PRODUCER {
+                let mut r = submit_req(queues[i % 2], "k", json!({"n": i}));
+                r.max_attempts = Some(2);
+                r.backoff = Some(pb::Backoff {
+                    initial: Some(ms(10)),
+                    max: Some(ms(10)),
+                });
+                let job = submit_with(&mut jobs, r).await;
+                // Every fifth job is cancelled: queued, running, or too
+                // late (already finished) when a worker was quicker.
+                if i % 5 == 4 {
+                    let cancelled = jobs
+                        .cancel(pb::CancelJobRequest {
+                            id: job.id,
+                            reason: String::new(),
+                        })
+                        .await;
+                    if let Err(status) = cancelled {
+                        assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+                    }
+                }
+            }
+        }));
+    }
+    for w in 0..WORKERS {
+        let mut workers = target(w).workers_client_own_conn("t").await;
+        tasks.push(tokio::spawn(async move {
+            let mut idle = 0;
+            while idle < 10 {
+                let mut req = lease_req(
+                    &format!("w{w}"),
+                    queues[w % 2],
+                    3,
+                    Duration::from_millis(200),
+                );
+                req.queues = queues.iter().map(|q| q.to_string()).collect();
+                req.lease_duration = Some(secs(1));
+                let leased = workers.lease(req).await.expect("Lease").into_inner().jobs;
+                idle = if leased.is_empty() { idle + 1 } else { 0 };
+                for (k, job) in leased.iter().enumerate() {
+                    let outcome = match (w + k) % 4 {
+                        0 => success_req(job, json!({})),
+                        1 => failure_req(job, "fatal", Some(false), None),
+                        2 => failure_req(job, "flaky", Some(true), Some(Duration::from_millis(10))),
+                        // Abandoned: the reaper takes the lease back.
+                        _ => continue,
+                    };
+                    // A cancelled or expired lease refuses the outcome; the
+                    // counts must follow whatever the store decided.
+                    let _ = workers.complete(outcome).await;
+                }
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.expect("task");
+    }
+
+    let mut jobs = server.jobs_client("t");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let counted = loop {
+        let counted = stats_counts(&mut jobs).await;
+        let settled = !counted.keys().any(|(_, s)| *s == St::Running);
+        if settled || tokio::time::Instant::now() > deadline {
+            break counted;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let url = &server.settings.database_url;
+    let mut direct = BTreeMap::new();
+    for queue in queues {
+        for (state, name) in [
+            (St::Queued, "queued"),
+            (St::Running, "running"),
+            (St::Succeeded, "succeeded"),
+            (St::Failed, "failed"),
+            (St::Cancelled, "cancelled"),
+            (St::Expired, "expired"),
+        ] {
+            let sql = "SELECT count(*) FROM jobs WHERE tenant = 't' AND queue = $1 AND state = $2";
+            let n = db_integers(backend, url, sql, &[queue, name]).await[0];
+            if n > 0 {
+                direct.insert((queue.to_owned(), state), n as u64);
+            }
+        }
+    }
+    let total: u64 = direct.values().sum();
+    assert_eq!(total, (PRODUCERS * PER_PRODUCER) as u64, "every job stored");
+    for state in [St::Succeeded, St::Failed, St::Cancelled] {
+        assert!(
+            direct.keys().any(|(_, s)| *s == state),
+            "the run reached {state:?}: {direct:?}"
+        );
+    }
+    assert_eq!(counted, direct, "Stats counts against the table");
+    if let Some(replica) = replica {
+        replica.stop().await;
+    }
     server.stop().await;
 }
 

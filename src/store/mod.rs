@@ -6,6 +6,7 @@
 mod changes;
 mod error;
 pub mod outbox;
+mod pg_counts;
 pub mod postgres;
 pub mod sqlite;
 

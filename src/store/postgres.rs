@@ -21,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::changes::{CHANNEL, Changes, wake_everything, wake_from_payload};
+use super::pg_counts::Counts;
 use super::{
     Ended, QueueDepth, QueueStatsBuilder, Reaped, Retried, RunningCaps, Stats, Store, StoreError,
     StoreResult, Submitted,
@@ -48,7 +49,7 @@ pub async fn migrate(url: &str) -> StoreResult<()> {
 /// Complete) with the planner settings they need (why: at the claim). One
 /// constant, so they cannot drift apart: the hand-off once lacked
 /// `enable_sort = off` and sorted a million queued jobs per submit.
-const PLANNED_TRANSACTION: &str = "BEGIN; SET LOCAL plan_cache_mode = force_generic_plan; \
+pub(super) const PLANNED_TRANSACTION: &str = "BEGIN; SET LOCAL plan_cache_mode = force_generic_plan; \
                                    SET LOCAL enable_seqscan = off; SET LOCAL enable_sort = off; \
                                    SET LOCAL jit = off";
 
@@ -62,6 +63,8 @@ pub struct PgStore {
     committed: mpsc::UnboundedSender<Changes>,
     /// Stops the LISTEN and NOTIFY tasks when the store is dropped.
     listener_stop: CancellationToken,
+    /// Jobs per queue and state, kept by the database.
+    counts: Counts,
 }
 
 impl Drop for PgStore {
@@ -580,6 +583,7 @@ impl PgStore {
             listener_stop.clone(),
         ));
         Ok(PgStore {
+            counts: Counts::new(pool.clone()),
             pool,
             notifier,
             caps: RunningCaps::from_settings(settings),
@@ -932,24 +936,8 @@ impl Store for PgStore {
         queue: Option<&str>,
         workers_since: Duration,
     ) -> StoreResult<Stats> {
-        let counts = sqlx::query(
-            "SELECT queue, state, count(*) AS n FROM jobs
-             WHERE tenant = $1 AND ($2::text IS NULL OR queue = $2)
-             GROUP BY queue, state",
-        )
-        .bind(tenant)
-        .bind(queue)
-        .fetch_all(&self.pool)
-        .await?;
-        let oldest = sqlx::query(
-            "SELECT queue, (EXTRACT(EPOCH FROM now() - min(run_at)) * 1000)::bigint AS age_ms FROM jobs
-             WHERE tenant = $1 AND ($2::text IS NULL OR queue = $2) AND state = 'queued' AND run_at <= now()
-             GROUP BY queue",
-        )
-        .bind(tenant)
-        .bind(queue)
-        .fetch_all(&self.pool)
-        .await?;
+        let counts = self.counts.read(Some(tenant), queue).await?;
+        let oldest = self.counts.oldest_due(&counts).await?;
         let workers = sqlx::query(
             "SELECT w.worker_id, w.queues, w.last_lease_at, r.held, r.last_heartbeat_at
              FROM workers w
@@ -974,22 +962,12 @@ impl Store for PgStore {
         .await?;
 
         let mut by_queue = QueueStatsBuilder::default();
-        for row in &counts {
-            let state: String = row.try_get("state")?;
-            let state = JobState::parse(&state).ok_or_else(|| corrupt("state"))?;
-            by_queue.count(
-                row.try_get("queue")?,
-                state,
-                to_u64(row.try_get("n")?, "count")?,
-            );
+        for count in counts {
+            let state = JobState::parse(&count.state).ok_or_else(|| corrupt("state"))?;
+            by_queue.count(count.queue, state, count.n);
         }
-        for row in &oldest {
-            let queue: String = row.try_get("queue")?;
-            let age: i64 = row.try_get("age_ms")?;
-            by_queue.oldest(
-                &queue,
-                Duration::from_millis(u64::try_from(age).unwrap_or(0)),
-            );
+        for (_, queue, age) in &oldest {
+            by_queue.oldest(queue, *age);
         }
         for queue in paused {
             by_queue.paused(queue);
@@ -1526,50 +1504,34 @@ impl Store for PgStore {
 
     #[tracing::instrument(name = "store.queued_count", skip_all, fields(queue))]
     async fn queued_count(&self, tenant: &str, queue: &str) -> StoreResult<u64> {
-        let n: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM jobs WHERE tenant = $1 AND queue = $2 AND state = 'queued'",
-        )
-        .bind(tenant)
-        .bind(queue)
-        .fetch_one(&self.pool)
-        .await?;
-        to_u64(n, "count")
+        let counts = self.counts.read(Some(tenant), Some(queue)).await?;
+        Ok(counts
+            .iter()
+            .filter(|c| c.state == JobState::Queued.as_str())
+            .map(|c| c.n)
+            .sum())
     }
 
     #[tracing::instrument(name = "store.queue_depths", skip_all)]
     async fn queue_depths(&self) -> StoreResult<Vec<QueueDepth>> {
-        let counts = sqlx::query(
-            "SELECT tenant, queue, state, count(*) AS n FROM jobs GROUP BY tenant, queue, state",
-        )
-        .fetch_all(&self.pool)
-        .await?;
-        let oldest = sqlx::query(
-            "SELECT tenant, queue, (EXTRACT(EPOCH FROM now() - min(run_at)) * 1000)::bigint AS age_ms
-             FROM jobs WHERE state = 'queued' AND run_at <= now() GROUP BY tenant, queue",
-        )
-        .fetch_all(&self.pool)
-        .await?;
+        let counts = self.counts.read(None, None).await?;
+        let oldest = self.counts.oldest_due(&counts).await?;
         let mut depths: BTreeMap<(String, String), QueueDepth> = BTreeMap::new();
-        for row in &counts {
-            let (tenant, queue): (String, String) = (row.try_get("tenant")?, row.try_get("queue")?);
-            let state: String = row.try_get("state")?;
-            let state = JobState::parse(&state).ok_or_else(|| corrupt("state"))?;
+        for count in counts {
+            let state = JobState::parse(&count.state).ok_or_else(|| corrupt("state"))?;
             depths
-                .entry((tenant.clone(), queue.clone()))
+                .entry((count.tenant.clone(), count.queue.clone()))
                 .or_insert_with(|| QueueDepth {
-                    tenant,
-                    queue,
+                    tenant: count.tenant,
+                    queue: count.queue,
                     ..Default::default()
                 })
                 .counts
-                .insert(state.as_str(), to_u64(row.try_get("n")?, "count")?);
+                .insert(state.as_str(), count.n);
         }
-        for row in &oldest {
-            let key: (String, String) = (row.try_get("tenant")?, row.try_get("queue")?);
-            let age: i64 = row.try_get("age_ms")?;
-            if let Some(depth) = depths.get_mut(&key) {
-                depth.oldest_runnable_age =
-                    Some(Duration::from_millis(u64::try_from(age).unwrap_or(0)));
+        for (tenant, queue, age) in oldest {
+            if let Some(depth) = depths.get_mut(&(tenant, queue)) {
+                depth.oldest_runnable_age = Some(age);
             }
         }
         Ok(depths.into_values().collect())
