@@ -223,6 +223,34 @@ macro_rules! submit_statement {
     };
 }
 
+/// `ListJobs`, newest first, with `$extra` spliced into the filter.
+macro_rules! list_statement {
+    ($extra:literal) => {
+        concat!(
+            "SELECT * FROM jobs
+             WHERE tenant = $1
+               AND ($2::uuid IS NULL OR id < $2)
+               AND ($3::text IS NULL OR queue = $3)
+               AND ($4::text IS NULL OR kind = $4)
+               AND (cardinality($5::text[]) = 0 OR state = ANY($5))
+               AND ($6::text IS NULL OR error_class = $6)
+               AND labels @> $7 ",
+            $extra,
+            " ORDER BY id DESC
+             LIMIT $8"
+        )
+    };
+}
+
+/// [`list_statement`] for any filter.
+const LIST: &str = list_statement!("");
+
+/// [`list_statement`] for a filter of dead-set states only: the condition
+/// is implied by `$5`, but only spelled out can it let a plan (a generic
+/// one too) read the few rows of `jobs_replayable` instead of stepping
+/// through every job of the tenant.
+const LIST_REPLAYABLE: &str = list_statement!("AND state IN ('failed', 'cancelled', 'expired')");
+
 /// [`submit_statement`] for a submit without hand-offs.
 const SUBMIT: &str = submit_statement!("NOT MATERIALIZED", "false");
 
@@ -832,28 +860,19 @@ impl Store for PgStore {
     #[tracing::instrument(name = "store.list", skip_all)]
     async fn list(&self, tenant: &str, filter: &ListFilter) -> StoreResult<Vec<Job>> {
         let states: Vec<&str> = filter.states.iter().map(|s| s.as_str()).collect();
-        let rows = sqlx::query(
-            "SELECT * FROM jobs
-             WHERE tenant = $1
-               AND ($2::uuid IS NULL OR id < $2)
-               AND ($3::text IS NULL OR queue = $3)
-               AND ($4::text IS NULL OR kind = $4)
-               AND (cardinality($5::text[]) = 0 OR state = ANY($5))
-               AND ($6::text IS NULL OR error_class = $6)
-               AND labels @> $7
-             ORDER BY id DESC
-             LIMIT $8",
-        )
-        .bind(tenant)
-        .bind(filter.before)
-        .bind(filter.queue.as_deref())
-        .bind(filter.kind.as_deref())
-        .bind(&states)
-        .bind(filter.error_class.as_deref())
-        .bind(Json(&filter.labels))
-        .bind(i64::from(filter.page_size))
-        .fetch_all(&self.pool)
-        .await?;
+        let replayable = !states.is_empty() && filter.states.iter().all(|s| s.is_replayable());
+        let statement = if replayable { LIST_REPLAYABLE } else { LIST };
+        let rows = sqlx::query(statement)
+            .bind(tenant)
+            .bind(filter.before)
+            .bind(filter.queue.as_deref())
+            .bind(filter.kind.as_deref())
+            .bind(&states)
+            .bind(filter.error_class.as_deref())
+            .bind(Json(&filter.labels))
+            .bind(i64::from(filter.page_size))
+            .fetch_all(&self.pool)
+            .await?;
         rows.iter().map(job_from_row).collect()
     }
 
@@ -872,11 +891,14 @@ impl Store for PgStore {
         filter: &RetryFilter,
         dry_run: bool,
     ) -> StoreResult<Retried> {
+        // Validation admits only dead-set states; the queries also say so,
+        // which lets any plan read jobs_replayable.
         let states: Vec<&str> = filter.states.iter().map(|s| s.as_str()).collect();
         let mut tx = self.pool.begin().await?;
         let matched: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM jobs
              WHERE tenant = $1 AND state = ANY($2)
+               AND state IN ('failed', 'cancelled', 'expired')
                AND ($3::text IS NULL OR queue = $3)
                AND ($4::text IS NULL OR kind = $4)
                AND ($5::text IS NULL OR error_class = $5)",
@@ -898,6 +920,7 @@ impl Store for PgStore {
         let rows = sqlx::query(
             "SELECT *, now() AS db_now FROM jobs
              WHERE tenant = $1 AND state = ANY($2)
+               AND state IN ('failed', 'cancelled', 'expired')
                AND ($3::text IS NULL OR queue = $3)
                AND ($4::text IS NULL OR kind = $4)
                AND ($5::text IS NULL OR error_class = $5)
