@@ -22,7 +22,8 @@ use crate::domain::JobState;
 /// replicas ("intray" in ASCII, then 1); the others read without folding.
 const FOLD_LOCK: i64 = 0x696e_7472_6179_0001;
 
-/// How often a replica vacuums the deltas it folded away.
+/// How often a replica vacuums the deltas it folded away and drops the
+/// counts that fell to zero.
 const VACUUM_EVERY: Duration = Duration::from_secs(10);
 
 /// Reads the counts; one per store.
@@ -75,6 +76,16 @@ impl Counts {
         .fetch_one(&self.pool)
         .await?;
         if folded && self.vacuum_due() {
+            // Queues come and go (a queue per customer, say): their zero
+            // counts would pile up. Only a fold writes job_counts, so
+            // under the folders' lock a zero stays zero until deleted.
+            sqlx::query(
+                "WITH turn AS (SELECT pg_try_advisory_xact_lock($1) AS ours)
+                 DELETE FROM job_counts WHERE n = 0 AND (SELECT ours FROM turn)",
+            )
+            .bind(FOLD_LOCK)
+            .execute(&self.pool)
+            .await?;
             // Deleted deltas are dead rows that only vacuum clears, and
             // autovacuum may be off or slow: the table would grow and
             // every fold would scan the dead pages. Another replica's
