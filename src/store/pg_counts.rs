@@ -110,20 +110,19 @@ impl Counts {
     /// The non-zero counts, of one tenant and queue when given.
     pub async fn read(&self, tenant: Option<&str>, queue: Option<&str>) -> StoreResult<Vec<Count>> {
         self.fold().await?;
-        let pool = &self.pool;
         let rows = sqlx::query(
             "SELECT tenant, queue, state, sum(n)::int8 AS n FROM (
-            SELECT tenant, queue, state, n FROM job_counts
-            UNION ALL
-            SELECT tenant, queue, state, n FROM job_count_deltas
-         ) c
-         WHERE ($1::text IS NULL OR tenant = $1) AND ($2::text IS NULL OR queue = $2)
-         GROUP BY tenant, queue, state
-         HAVING sum(n) > 0",
+                SELECT tenant, queue, state, n FROM job_counts
+                UNION ALL
+                SELECT tenant, queue, state, n FROM job_count_deltas
+             ) c
+             WHERE ($1::text IS NULL OR tenant = $1) AND ($2::text IS NULL OR queue = $2)
+             GROUP BY tenant, queue, state
+             HAVING sum(n) > 0",
         )
         .bind(tenant)
         .bind(queue)
-        .fetch_all(pool)
+        .fetch_all(&self.pool)
         .await?;
         rows.iter()
             .map(|row| {
