@@ -12,6 +12,25 @@ use serde_json::json;
 use sqlx::postgres::PgPoolOptions;
 use tonic::Code;
 
+/// Runs a call until it stops failing UNAVAILABLE, for 20 s after `$back`
+/// at most, and gives its response.
+macro_rules! until_recovered {
+    ($back:expr, $call:expr) => {
+        loop {
+            match $call.await {
+                Ok(r) => break r.into_inner(),
+                Err(s)
+                    if s.code() == Code::Unavailable
+                        && $back.elapsed() < Duration::from_secs(20) =>
+                {
+                    tokio::time::sleep(Duration::from_millis(200)).await
+                }
+                Err(s) => panic!("did not recover: {s:?}"),
+            }
+        }
+    };
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn database_outage_answers_unavailable_and_recovers() {
     let server = TestServer::start(Backend::Postgres).await;
@@ -69,31 +88,33 @@ async fn database_outage_answers_unavailable_and_recovers() {
     .await
     .expect("allow connections again");
 
-    // Recovers unaided: no restart, the same server and clients.
+    // Recovers unaided: no restart, the same server and clients. Each
+    // pooled connection that the outage cut fails its next statement with
+    // UNAVAILABLE and is then replaced, so a call may fail that way a few
+    // times after the database is back; clients retry UNAVAILABLE.
     let back = Instant::now();
-    let resubmitted = loop {
-        match jobs
-            .submit(submit_req("q", "k", json!({"after": true})))
-            .await
-        {
-            Ok(r) => break r.into_inner(),
-            Err(s) if s.code() == Code::Unavailable && back.elapsed() < Duration::from_secs(20) => {
-                tokio::time::sleep(Duration::from_millis(200)).await
-            }
-            Err(s) => panic!("did not recover: {s:?}"),
-        }
-    };
+    let resubmitted = until_recovered!(
+        back,
+        jobs.submit(submit_req("q", "k", json!({"after": true})))
+    );
     assert!(resubmitted.created);
     // The lease taken before the outage is still held: it outlived the outage.
-    workers
-        .heartbeat(pb::HeartbeatRequest {
+    until_recovered!(
+        back,
+        workers.heartbeat(pb::HeartbeatRequest {
             job_id: leased.job_id.clone(),
             lease_token: leased.lease_token.clone(),
             ..Default::default()
         })
-        .await
-        .expect("the lease survived the outage");
-    complete_ok(&mut workers, &leased).await;
+    );
+    let done = until_recovered!(
+        back,
+        workers.complete(success_req(&leased, json!({"done": true})))
+    );
+    assert_eq!(
+        done.job.as_ref().map(|j| j.state()),
+        Some(pb::JobState::Succeeded)
+    );
     assert_eq!(
         state(&get(&mut jobs, &job.id).await),
         pb::JobState::Succeeded

@@ -15,7 +15,6 @@ use sqlx::PgPool;
 use sqlx::Row;
 
 use super::StoreResult;
-use super::postgres::PLANNED_TRANSACTION;
 use crate::domain::JobState;
 
 /// Key of the advisory lock that lets one fold run at a time across
@@ -30,6 +29,8 @@ const VACUUM_EVERY: Duration = Duration::from_secs(10);
 #[derive(Debug)]
 pub struct Counts {
     pool: PgPool,
+    /// The store's connections with the claim's planner settings.
+    planned: PgPool,
     vacuumed: Mutex<Option<Instant>>,
 }
 
@@ -47,10 +48,11 @@ pub struct Count {
 }
 
 impl Counts {
-    /// Counts on `pool`'s database.
-    pub fn new(pool: PgPool) -> Self {
+    /// Counts on `pool`'s database; `planned` runs the claim-index probes.
+    pub fn new(pool: PgPool, planned: PgPool) -> Self {
         Counts {
             pool,
+            planned,
             vacuumed: Mutex::new(None),
         }
     }
@@ -184,10 +186,9 @@ impl Counts {
         .bind(&names);
         // Statistics can be stale enough for a plan that sorts every queued
         // job of the queue (a second at a million) instead of reading the
-        // claim index in order: the claim's settings rule that out.
-        let mut tx = self.pool.begin_with(PLANNED_TRANSACTION).await?;
-        let rows = query.fetch_all(&mut *tx).await?;
-        tx.commit().await?;
+        // claim index in order: the claim's settings (the `planned` pool's) rule
+        // that out.
+        let rows = query.fetch_all(&self.planned).await?;
         rows.iter()
             .map(|row| {
                 let age: i64 = row.try_get("age_ms")?;

@@ -15,7 +15,7 @@ use chrono::{DateTime, Utc};
 use serde_json::Value;
 use sqlx::postgres::{PgListener, PgPool, PgPoolOptions, PgRow};
 use sqlx::types::Json;
-use sqlx::{PgConnection, Row};
+use sqlx::{Executor, PgConnection, Row};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -45,17 +45,23 @@ pub async fn migrate(url: &str) -> StoreResult<()> {
     Ok(())
 }
 
-/// Opens the transactions of the hot path (the claim, the hand-off and
-/// Complete) with the planner settings they need (why: at the claim). One
-/// constant, so they cannot drift apart: the hand-off once lacked
-/// `enable_sort = off` and sorted a million queued jobs per submit.
-pub(super) const PLANNED_TRANSACTION: &str = "BEGIN; SET LOCAL plan_cache_mode = force_generic_plan; \
-                                   SET LOCAL enable_seqscan = off; SET LOCAL enable_sort = off; \
-                                   SET LOCAL jit = off";
+/// The planner settings of the hot path's statements (the claim, the
+/// hand-off, Complete, the oldest-due probe; why: at the claim), set once
+/// per connection of [`PgStore::planned`]. Session settings rather than a
+/// `SET LOCAL` per transaction let the claim and the hand-off run
+/// autocommitted: one round trip instead of three (BEGIN with the
+/// settings, the statement, COMMIT). One constant, so the statements
+/// cannot drift apart: the hand-off once lacked `enable_sort = off` and
+/// sorted a million queued jobs per submit.
+const PLANNER_SETTINGS: &str = "SET plan_cache_mode = force_generic_plan; \
+                                SET enable_seqscan = off; SET enable_sort = off; SET jit = off";
 
 /// The PostgreSQL implementation of [`Store`].
 pub struct PgStore {
     pool: PgPool,
+    /// Connections with [`PLANNER_SETTINGS`], for the hot path's statements
+    /// only: other statements keep PostgreSQL's own planning.
+    planned: PgPool,
     notifier: Arc<Notifier>,
     caps: RunningCaps,
     breaker: BreakerPolicy,
@@ -577,18 +583,32 @@ async fn announce(
     }
 }
 
+/// A pool of `size` connections with the settings both pools share.
+fn pool_options(size: u32) -> PgPoolOptions {
+    PgPoolOptions::new()
+        .max_connections(size)
+        .acquire_timeout(Duration::from_secs(5))
+        // sqlx pings every connection it hands out (and again when it takes
+        // it back): a round trip before each hot-path transaction. A
+        // connection that died is found by its first statement instead,
+        // which fails UNAVAILABLE like any outage (callers retry) and is
+        // then closed by the pool's release ping.
+        .test_before_acquire(false)
+}
+
 impl PgStore {
     /// Connects, migrates and starts listening for other replicas' changes.
     pub async fn open(settings: &Settings, notifier: Arc<Notifier>) -> StoreResult<PgStore> {
-        let pool = PgPoolOptions::new()
-            .max_connections(settings.max_connections)
-            .acquire_timeout(Duration::from_secs(5))
-            // sqlx pings every connection it hands out (and again when it
-            // takes it back): a round trip before each hot-path transaction.
-            // A connection that died is found by its first statement
-            // instead, which fails UNAVAILABLE like any outage (callers
-            // retry) and is then closed by the pool's release ping.
-            .test_before_acquire(false)
+        // The connection budget is split: half for the hot path, the rest
+        // for everything else (heartbeats, reads, the reaper, counts).
+        let planned_size = (settings.max_connections / 2).max(1);
+        let pool = pool_options(settings.max_connections.saturating_sub(planned_size).max(1))
+            .connect(&settings.database_url)
+            .await?;
+        let planned = pool_options(planned_size)
+            .after_connect(|conn, _| {
+                Box::pin(async move { conn.execute(PLANNER_SETTINGS).await.map(|_| ()) })
+            })
             .connect(&settings.database_url)
             .await?;
         MIGRATOR.run(&pool).await?;
@@ -611,8 +631,9 @@ impl PgStore {
             listener_stop.clone(),
         ));
         Ok(PgStore {
-            counts: Counts::new(pool.clone()),
+            counts: Counts::new(pool.clone(), planned.clone()),
             pool,
+            planned,
             notifier,
             caps: RunningCaps::from_settings(settings),
             breaker: settings.breaker.clone(),
@@ -740,20 +761,13 @@ impl Store for PgStore {
             .bind(column(|j| j.trace_parent.as_deref()))
             .bind(&handoff_workers)
             .bind(&handoff_lease_ms);
-        let rows = if hands_off {
-            // PostgreSQL keeps planning the guard afresh (0.6 ms, twice what
-            // running it costs); its generic plan, the same for any input,
-            // is worth the BEGIN and COMMIT round trips (see the claim). As
-            // for the claim, a plan made on stale statistics must not sort:
-            // it sorted a million queued jobs per probe (350-400 ms) where
-            // the claim index gives them in order (0.5-1.8 ms).
-            let mut tx = self.pool.begin_with(PLANNED_TRANSACTION).await?;
-            let rows = query.fetch_all(&mut *tx).await?;
-            tx.commit().await?;
-            rows
-        } else {
-            query.fetch_all(&self.pool).await?
-        };
+        // PostgreSQL keeps planning the hand-off's guard afresh (0.6 ms,
+        // twice what running it costs): it runs with a generic plan. As for
+        // the claim, a plan made on stale statistics must not sort: it
+        // sorted a million queued jobs per probe (350-400 ms) where the
+        // claim index gives them in order (0.5-1.8 ms).
+        let pool = if hands_off { &self.planned } else { &self.pool };
+        let rows = query.fetch_all(pool).await?;
         let mut created: HashMap<Uuid, Job> = HashMap::with_capacity(rows.len());
         for row in &rows {
             let job = job_from_row(row)?;
@@ -1055,10 +1069,9 @@ impl Store for PgStore {
         // table size (the level probes below read the claim index in order
         // instead of sorting every queued row). Those settings price the
         // plans they avoid so high that the estimate passes JIT's threshold,
-        // and compiling the statement took a second: no JIT. Only for this
-        // transaction (other statements keep their plans), and sent with
-        // the BEGIN, in its round trip.
-        let mut tx = self.pool.begin_with(PLANNED_TRANSACTION).await?;
+        // and compiling the statement took a second: no JIT. Those are the
+        // settings of the `planned` pool's sessions, so the claim runs
+        // autocommitted, in one round trip.
         let only_tenant = (!spec.all_tenants).then_some(tenant);
         // Tenants: the caller's, or every tenant with queued jobs, found by a
         // skip scan over the claim index (one probe per tenant). Per tenant
@@ -1219,7 +1232,7 @@ impl Store for PgStore {
         .bind(&self.caps.caps)
         .bind(self.caps.default)
         .bind(spec.all_tenants || self.caps.any())
-        .fetch_all(&mut *tx)
+        .fetch_all(&self.planned)
         .await?;
         let mut claimed: Vec<Vec<Job>> = specs.iter().map(|_| Vec::new()).collect();
         let mut changes = Changes::default();
@@ -1241,7 +1254,6 @@ impl Store for PgStore {
                     .then(a.id.cmp(&b.id))
             });
         }
-        tx.commit().await?;
         self.committed(changes);
         Ok(claimed)
     }
@@ -1329,7 +1341,7 @@ impl Store for PgStore {
         // planning took longer than running them (pg_stat_statements with
         // track_planning, e2e: 1.4 s of 3.2 s). Both statements only ever
         // take the primary key.
-        let mut tx = self.pool.begin_with(PLANNED_TRANSACTION).await?;
+        let mut tx = self.planned.begin().await?;
         // Locked in id order, so concurrent batches cannot deadlock. By id
         // only: with a tenant predicate a planner on stale statistics (a
         // young table) scans the tenant's whole index instead of the primary
