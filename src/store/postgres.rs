@@ -230,8 +230,17 @@ macro_rules! submit_statement {
 }
 
 /// `ListJobs`, newest first, with `$extra` spliced into the filter.
+/// The dead set (the jobs `Retry` may replay) as SQL. Statements that read
+/// it splice this in, so that their plans can use `jobs_replayable`, whose
+/// predicate (migration 0009) it must match.
+macro_rules! in_dead_set {
+    () => {
+        "state IN ('failed', 'cancelled', 'expired')"
+    };
+}
+
 macro_rules! list_statement {
-    ($extra:literal) => {
+    ($extra:expr) => {
         concat!(
             "SELECT * FROM jobs
              WHERE tenant = $1
@@ -255,7 +264,7 @@ const LIST: &str = list_statement!("");
 /// is implied by `$5`, but only spelled out can it let a plan (a generic
 /// one too) read the few rows of `jobs_replayable` instead of stepping
 /// through every job of the tenant.
-const LIST_REPLAYABLE: &str = list_statement!("AND state IN ('failed', 'cancelled', 'expired')");
+const LIST_REPLAYABLE: &str = list_statement!(concat!("AND ", in_dead_set!()));
 
 /// [`submit_statement`] for a submit without hand-offs.
 const SUBMIT: &str = submit_statement!("NOT MATERIALIZED", "false");
@@ -909,14 +918,16 @@ impl Store for PgStore {
         // which lets any plan read jobs_replayable.
         let states: Vec<&str> = filter.states.iter().map(|s| s.as_str()).collect();
         let mut tx = self.pool.begin().await?;
-        let matched: i64 = sqlx::query_scalar(
+        let matched: i64 = sqlx::query_scalar(concat!(
             "SELECT count(*) FROM jobs
              WHERE tenant = $1 AND state = ANY($2)
-               AND state IN ('failed', 'cancelled', 'expired')
+               AND ",
+            in_dead_set!(),
+            "
                AND ($3::text IS NULL OR queue = $3)
                AND ($4::text IS NULL OR kind = $4)
-               AND ($5::text IS NULL OR error_class = $5)",
-        )
+               AND ($5::text IS NULL OR error_class = $5)"
+        ))
         .bind(tenant)
         .bind(&states)
         .bind(filter.queue.as_deref())
@@ -931,17 +942,19 @@ impl Store for PgStore {
                 matched,
             });
         }
-        let rows = sqlx::query(
+        let rows = sqlx::query(concat!(
             "SELECT *, now() AS db_now FROM jobs
              WHERE tenant = $1 AND state = ANY($2)
-               AND state IN ('failed', 'cancelled', 'expired')
+               AND ",
+            in_dead_set!(),
+            "
                AND ($3::text IS NULL OR queue = $3)
                AND ($4::text IS NULL OR kind = $4)
                AND ($5::text IS NULL OR error_class = $5)
              ORDER BY id
              LIMIT $6
-             FOR UPDATE SKIP LOCKED",
-        )
+             FOR UPDATE SKIP LOCKED"
+        ))
         .bind(tenant)
         .bind(&states)
         .bind(filter.queue.as_deref())
@@ -1574,5 +1587,21 @@ impl Store for PgStore {
 
     fn outbox(&self) -> Arc<dyn super::outbox::Outbox> {
         Arc::new(super::outbox::PgOutbox::new(self.pool.clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::domain::JobState;
+
+    #[test]
+    fn the_dead_set_in_sql_is_the_domains() {
+        for state in JobState::ALL {
+            assert_eq!(
+                in_dead_set!().contains(&format!("'{}'", state.as_str())),
+                state.is_replayable(),
+                "{state:?}"
+            );
+        }
     }
 }
