@@ -77,6 +77,30 @@ wait_idle() {
   echo "# WARNING: still busy after ${WAIT_MAX:-900}s: $(busy)"
 }
 loadavg() { cut -d' ' -f1-3 /proc/loadavg; }
+# Percent of CPU time busy over the next 2 s, all cores.
+cpu_busy() {
+  local a b
+  read -r -a a < <(grep '^cpu ' /proc/stat)
+  sleep 2
+  read -r -a b < <(grep '^cpu ' /proc/stat)
+  local total=0 idle i
+  for i in 1 2 3 4 5 6 7 8; do total=$((total + b[i] - a[i])); done
+  idle=$((b[4] - a[4] + b[5] - a[5]))
+  echo $(( total > 0 ? 100 * (total - idle) / total : 0 ))
+}
+# Before each part: a CHECKPOINT, so that the WAL of the part before is not
+# written out during this one (after pgbench it was, into graphile-worker's
+# run), then a bounded wait for the CPU to calm down (under 25 % busy).
+settle() {
+  psql "$DATABASE_URL" -Xqc "CHECKPOINT" 2>/dev/null ||
+    echo "# note: CHECKPOINT refused (needs superuser or pg_checkpoint); parts may overlap checkpoints"
+  local t0=$SECONDS b
+  while [ $((SECONDS - t0)) -lt 60 ]; do
+    b=$(cpu_busy)
+    [ "$b" -lt 25 ] && { echo "# settled: CPU ${b} % busy, load average $(loadavg)"; return 0; }
+  done
+  echo "# WARNING: CPU still ${b} % busy after 60 s; load average $(loadavg)"
+}
 
 mkdir -p "$OUT"
 exec > >(tee -a "$LOG") 2>&1
@@ -99,9 +123,11 @@ fi
 # --- the SQL ceiling and the peer --------------------------------------------
 echo "## pgbench: the SQL ceiling"
 recreate_db intray_bench_sql
+settle
 TESTS="lifecycle claim_b10" CLIENTS="8 32" DATABASE_URL="$(url_with_db intray_bench_sql)" \
   "$PEERS_DIR/pgbench/run.sh" | tee "$OUT/pgbench.out"
 echo "## graphile-worker"
+settle
 DATABASE_URL="$DATABASE_URL" "$PEERS_DIR/peers/graphile-worker/run.sh" | tee "$OUT/graphile-worker.out"
 
 # --- intray --------------------------------------------------------------------
@@ -110,10 +136,12 @@ DATABASE_URL="$DATABASE_URL" "$PEERS_DIR/peers/graphile-worker/run.sh" | tee "$O
 {
   echo "## intray bench on PostgreSQL"
   wait_idle
+  settle
   "$BIN" bench --spawn --database-url "$(url_with_db intray_bench)" \
     --server-log "$OUT/server-postgres.log" ${INTRAY_BENCH_ARGS:-} | tee "$OUT/intray-postgres.out"
   echo "## intray bench on SQLite"
   wait_idle
+  settle
   "$BIN" bench --spawn --database-url "sqlite://$OUT/intray-bench.db" \
     --scenario submit,e2e,e2e-batched,burn-down,dispatch \
     --server-log "$OUT/server-sqlite.log" ${INTRAY_BENCH_ARGS:-} | tee "$OUT/intray-sqlite.out"

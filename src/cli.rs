@@ -56,7 +56,9 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub database: DatabaseArgs,
 
-    /// Connections in the PostgreSQL pool.
+    /// PostgreSQL connections per replica: half for the hot path (claims,
+    /// hand-offs, completions), the rest for everything else (at least one
+    /// each).
     #[arg(long, env = "INTRAY_MAX_CONNECTIONS", default_value_t = 16)]
     pub max_connections: u32,
 

@@ -13,7 +13,8 @@ use std::time::Duration;
 pub struct Settings {
     /// `sqlite://path` (created if missing) or `postgres://...`.
     pub database_url: String,
-    /// Connections in the PostgreSQL pool.
+    /// PostgreSQL connections per replica, split between the hot path's
+    /// pool and the other one (see `PgStore::open`).
     pub max_connections: u32,
     /// Shared transactions each coalescer (submit, lease, complete) may
     /// run at once.
