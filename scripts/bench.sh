@@ -88,9 +88,10 @@ cpu_busy() {
   idle=$((b[4] - a[4] + b[5] - a[5]))
   echo $(( total > 0 ? 100 * (total - idle) / total : 0 ))
 }
-# Before each part: a CHECKPOINT, so that the WAL of the part before is not
-# written out during this one (after pgbench it was, into graphile-worker's
-# run), then a bounded wait for the CPU to calm down (under 25 % busy).
+# Before each part: a CHECKPOINT, so that the WAL the part before wrote
+# (pgbench writes a lot of it right before graphile-worker's part) is not
+# written out during this one, then a bounded wait for the CPU to calm down
+# (under 25 % busy).
 settle() {
   psql "$DATABASE_URL" -Xqc "CHECKPOINT" 2>/dev/null ||
     echo "# note: CHECKPOINT refused (needs superuser or pg_checkpoint); parts may overlap checkpoints"

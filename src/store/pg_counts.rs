@@ -186,8 +186,8 @@ impl Counts {
         .bind(&names);
         // Statistics can be stale enough for a plan that sorts every queued
         // job of the queue (a second at a million) instead of reading the
-        // claim index in order: the claim's settings (the `planned` pool's) rule
-        // that out.
+        // claim index in order: the claim's settings, those of the `planned`
+        // pool's sessions, rule that out.
         let rows = query.fetch_all(&self.planned).await?;
         rows.iter()
             .map(|row| {

@@ -229,7 +229,6 @@ macro_rules! submit_statement {
     };
 }
 
-/// `ListJobs`, newest first, with `$extra` spliced into the filter.
 /// The dead set (the jobs `Retry` may replay) as SQL. Statements that read
 /// it splice this in, so that their plans can use `jobs_replayable`, whose
 /// predicate (migration 0009) it must match.
@@ -239,6 +238,7 @@ macro_rules! in_dead_set {
     };
 }
 
+/// `ListJobs`, newest first, with `$extra` spliced into the filter.
 macro_rules! list_statement {
     ($extra:expr) => {
         concat!(
