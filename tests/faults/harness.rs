@@ -252,6 +252,15 @@ impl Db {
 
 impl Drop for Db {
     fn drop(&mut self) {
+        // A failed test keeps its directory, with the servers' and workers'
+        // logs, so that a failure seen once (under CI's load) can be read.
+        if std::thread::panicking() {
+            self.dir.disable_cleanup(true);
+            eprintln!(
+                "faults: kept {} (server and worker logs of the failed test)",
+                self.dir.path().display()
+            );
+        }
         if let Some((admin, name)) = self.pg.take() {
             let _ = std::thread::spawn(move || {
                 let rt = tokio::runtime::Builder::new_current_thread()
