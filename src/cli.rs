@@ -56,10 +56,11 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub database: DatabaseArgs,
 
-    /// PostgreSQL connections per replica: half for the hot path (claims,
-    /// hand-offs, completions), the rest for everything else (at least one
-    /// each).
-    #[arg(long, env = "INTRAY_MAX_CONNECTIONS", default_value_t = 16)]
+    /// PostgreSQL connections per replica (at least 3): half for the hot
+    /// path (claims, hand-offs, completions), the rest for everything else,
+    /// one of which listens for the other replicas' notifications.
+    #[arg(long, env = "INTRAY_MAX_CONNECTIONS", default_value_t = 16,
+          value_parser = clap::value_parser!(u32).range(3..))]
     pub max_connections: u32,
 
     /// Shared transactions that each of the Submit, Lease and Complete
@@ -357,5 +358,28 @@ impl ServeArgs {
             s.webhooks.load_file(path).map_err(|e| e.to_string())?;
         }
         Ok(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Serve {
+        #[command(flatten)]
+        args: ServeArgs,
+    }
+
+    #[test]
+    fn max_connections_leaves_each_pool_a_usable_connection() {
+        let parse = |n: &str| Serve::try_parse_from(["serve", "--max-connections", n]);
+        assert!(
+            parse("2").is_err(),
+            "one pool connection would be the listener's"
+        );
+        assert_eq!(parse("3").map(|s| s.args.max_connections).ok(), Some(3));
     }
 }

@@ -14,7 +14,8 @@ pub struct Settings {
     /// `sqlite://path` (created if missing) or `postgres://...`.
     pub database_url: String,
     /// PostgreSQL connections per replica, split between the hot path's
-    /// pool and the other one (see `PgStore::open`).
+    /// pool and the other one (see `PgStore::open`); at least 3, or the
+    /// pools are given 1 and 2 anyway.
     pub max_connections: u32,
     /// Shared transactions each coalescer (submit, lease, complete) may
     /// run at once.

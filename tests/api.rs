@@ -32,6 +32,7 @@ common::backend_tests!(
     validation,
     stale_lease_token,
     lease_expiry_reclaims,
+    unreadable_rows_are_set_aside,
     not_found_and_tenant_isolation,
     reflection_and_health,
     list_filters_and_pagination,
@@ -1512,6 +1513,77 @@ async fn lease_expiry_reclaims(backend: Backend) {
         failed.error.expect("error").class,
         "lease_expired",
         "a lost lease on the last attempt is a lease_expired failure"
+    );
+    server.stop().await;
+}
+
+/// A job row changed behind the server's back so that it no longer parses
+/// fails neither the claim that meets it (its neighbours are answered) nor
+/// the reaper (other expired leases are still reclaimed): it is left out,
+/// logged, and stays out of the queue.
+async fn unreadable_rows_are_set_aside(backend: Backend) {
+    let server = TestServer::start_with(backend, |s| {
+        s.reaper_interval = Duration::from_millis(200);
+    })
+    .await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+    let corrupt = |id: String| {
+        let url = server.settings.database_url.clone();
+        async move {
+            let sql = "UPDATE jobs SET labels = '[1]' WHERE CAST(id AS TEXT) = $1 RETURNING CAST(1 AS BIGINT)";
+            db_integers(server.backend, &url, sql, &[&id]).await;
+        }
+    };
+
+    // The reaper: two expired leases, one unreadable.
+    let bad_running = submit(&mut jobs, "reaped", "k", json!({})).await;
+    let good_running = submit(&mut jobs, "reaped", "k", json!({})).await;
+    let leased = workers
+        .lease(pb::LeaseRequest {
+            lease_duration: Some(secs(1)),
+            ..lease_req("gone", "reaped", 2, Duration::ZERO)
+        })
+        .await
+        .expect("Lease")
+        .into_inner()
+        .jobs;
+    assert_eq!(leased.len(), 2);
+    corrupt(bad_running.id.clone()).await;
+    let back = wait_for_state(
+        &mut jobs,
+        &good_running.id,
+        St::Queued,
+        Duration::from_secs(6),
+    )
+    .await;
+    assert_eq!(
+        back.attempt, 1,
+        "the readable job was reclaimed past the unreadable one"
+    );
+
+    // The claim: an unreadable job at the head of the queue.
+    let bad_queued = submit(&mut jobs, "claimed", "k", json!({})).await;
+    let good_queued = submit(&mut jobs, "claimed", "k", json!({})).await;
+    corrupt(bad_queued.id.clone()).await;
+    let got = lease_now(&mut workers, "w", "claimed").await;
+    let ids: Vec<&str> = got.iter().map(|j| j.job_id.as_str()).collect();
+    assert_eq!(
+        ids,
+        [good_queued.id.as_str()],
+        "the readable job is answered"
+    );
+    assert!(
+        lease_now(&mut workers, "w", "claimed").await.is_empty(),
+        "the unreadable job is out of the queue"
+    );
+    expect_code(
+        jobs.get(pb::GetJobRequest {
+            id: bad_queued.id.clone(),
+        })
+        .await,
+        Code::Internal,
+        "Get of an unreadable job",
     );
     server.stop().await;
 }

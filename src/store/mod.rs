@@ -9,6 +9,7 @@ pub mod outbox;
 mod pg_counts;
 pub mod postgres;
 pub mod sqlite;
+mod unreadable;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -22,6 +22,7 @@ use uuid::Uuid;
 
 use super::changes::{CHANNEL, Changes, wake_everything, wake_from_payload};
 use super::pg_counts::Counts;
+use super::unreadable::readable;
 use super::{
     Ended, QueueDepth, QueueStatsBuilder, Reaped, Retried, RunningCaps, Stats, Store, StoreError,
     StoreResult, Submitted,
@@ -149,6 +150,11 @@ fn job_from_row(row: &PgRow) -> StoreResult<Job> {
         trace_parent: row.try_get("trace_parent")?,
         leased_at: row.try_get("leased_at")?,
     })
+}
+
+/// A job row's id alone, for naming a row that cannot be read whole.
+fn row_id(row: &PgRow) -> Option<String> {
+    row.try_get::<Uuid, _>("id").ok().map(|id| id.to_string())
 }
 
 fn breaker_from_row(row: &PgRow) -> StoreResult<Breaker> {
@@ -609,9 +615,11 @@ impl PgStore {
     /// Connects, migrates and starts listening for other replicas' changes.
     pub async fn open(settings: &Settings, notifier: Arc<Notifier>) -> StoreResult<PgStore> {
         // The connection budget is split: half for the hot path, the rest
-        // for everything else (heartbeats, reads, the reaper, counts).
+        // for everything else (heartbeats, reads, the reaper, counts), of
+        // which the listener below holds one for good. So the other pool
+        // needs two at least; the CLI asks for 3 in all.
         let planned_size = (settings.max_connections / 2).max(1);
-        let pool = pool_options(settings.max_connections.saturating_sub(planned_size).max(1))
+        let pool = pool_options(settings.max_connections.saturating_sub(planned_size).max(2))
             .connect(&settings.database_url)
             .await?;
         let planned = pool_options(planned_size)
@@ -770,11 +778,12 @@ impl Store for PgStore {
             .bind(column(|j| j.trace_parent.as_deref()))
             .bind(&handoff_workers)
             .bind(&handoff_lease_ms);
-        // PostgreSQL keeps planning the hand-off's guard afresh (0.6 ms,
-        // twice what running it costs): it runs with a generic plan. As for
-        // the claim, a plan made on stale statistics must not sort: it
-        // sorted a million queued jobs per probe (350-400 ms) where the
-        // claim index gives them in order (0.5-1.8 ms).
+        // A submit that hands off runs on the planned pool: PostgreSQL kept
+        // planning the hand-off's guard afresh (0.6 ms, twice what running
+        // it costs), and as for the claim, a plan made on stale statistics
+        // must not sort: it sorted a million queued jobs per probe
+        // (350-400 ms) where the claim index gives them in order
+        // (0.5-1.8 ms). A plain submit has no guard to plan.
         let pool = if hands_off { &self.planned } else { &self.pool };
         let rows = query.fetch_all(pool).await?;
         let mut created: HashMap<Uuid, Job> = HashMap::with_capacity(rows.len());
@@ -1247,10 +1256,12 @@ impl Store for PgStore {
         .bind(spec.all_tenants || self.caps.any())
         .fetch_all(&self.planned)
         .await?;
+        // The claim is committed already: a row that cannot be read stays
+        // leased to nobody (see `unreadable`), and the others are answered.
+        let jobs = readable(&rows, job_from_row, row_id, "a claim");
         let mut claimed: Vec<Vec<Job>> = specs.iter().map(|_| Vec::new()).collect();
         let mut changes = Changes::default();
-        for row in &rows {
-            let job = job_from_row(row)?;
+        for (row, job) in jobs {
             let slot: i64 = row.try_get("slot")?;
             let caller = usize::try_from(slot - 1)
                 .ok()
@@ -1463,8 +1474,7 @@ impl Store for PgStore {
         .await?;
         let mut changes = Changes::default();
         let mut reclaimed = Vec::with_capacity(expired_leases.len());
-        for row in &expired_leases {
-            let mut job = job_from_row(row)?;
+        for (row, mut job) in readable(&expired_leases, job_from_row, row_id, "the reaper") {
             let now: DateTime<Utc> = row.try_get("db_now")?;
             let attempt = job.running_attempt();
             let event = transition::lease_expired(&mut job, now);
@@ -1472,8 +1482,7 @@ impl Store for PgStore {
             reclaimed.push((attempt, job, event));
         }
         let mut past = Vec::with_capacity(past_deadline.len());
-        for row in &past_deadline {
-            let mut job = job_from_row(row)?;
+        for (row, mut job) in readable(&past_deadline, job_from_row, row_id, "the reaper") {
             let now: DateTime<Utc> = row.try_get("db_now")?;
             let event = transition::deadline_passed(&mut job, now);
             changes.job_event(&job, &event);
@@ -1487,6 +1496,8 @@ impl Store for PgStore {
         save(&mut tx, &saved).await?;
         tx.commit().await?;
         self.committed(changes);
+        let expired_leases = reclaimed.len() as u64;
+        let expired_deadlines = past.len() as u64;
         let ended = reclaimed
             .into_iter()
             .filter_map(|(attempt, job, event)| Ended::new(attempt, job, event))
@@ -1515,8 +1526,8 @@ impl Store for PgStore {
         .await?;
         let deleted = to_u64(deleted, "deleted")?;
         Ok(Reaped {
-            expired_leases: expired_leases.len() as u64,
-            expired_deadlines: past_deadline.len() as u64,
+            expired_leases,
+            expired_deadlines,
             deleted,
             ended,
             expired,

@@ -22,6 +22,7 @@ use sqlx::{Row, SqliteConnection, Transaction};
 use uuid::Uuid;
 
 use super::changes::Changes;
+use super::unreadable::readable;
 use super::{
     Ended, QueueDepth, QueueStatsBuilder, Reaped, Retried, RunningCaps, Stats, Store, StoreError,
     StoreResult, Submitted,
@@ -132,6 +133,11 @@ fn to_u32(v: i64, column: &str) -> StoreResult<u32> {
 
 fn to_u64(v: i64, column: &str) -> StoreResult<u64> {
     u64::try_from(v).map_err(|_| corrupt(column))
+}
+
+/// A job row's id alone, for naming a row that cannot be read whole.
+fn row_id(row: &SqliteRow) -> Option<String> {
+    row.try_get("id").ok()
 }
 
 fn job_from_row(row: &SqliteRow) -> StoreResult<Job> {
@@ -573,10 +579,10 @@ impl SqliteStore {
         .bind(spec.all_tenants || self.caps.any())
         .fetch_all(&mut **tx)
         .await?;
-        let mut jobs = rows
-            .iter()
-            .map(job_from_row)
-            .collect::<StoreResult<Vec<_>>>()?;
+        let mut jobs: Vec<Job> = readable(&rows, job_from_row, row_id, "a claim")
+            .into_iter()
+            .map(|(_, job)| job)
+            .collect();
         jobs.sort_by(|a, b| {
             b.priority
                 .cmp(&a.priority)
@@ -1093,8 +1099,9 @@ impl Store for SqliteStore {
         .await?;
         let mut changes = Changes::default();
         let mut ended = Vec::with_capacity(expired_leases.len());
-        for row in &expired_leases {
-            let mut job = job_from_row(row)?;
+        let expired_leases = readable(&expired_leases, job_from_row, row_id, "the reaper");
+        let reclaimed = expired_leases.len() as u64;
+        for (_, mut job) in expired_leases {
             let attempt = job.running_attempt();
             let event = transition::lease_expired(&mut job, now);
             save(&mut tx, &job, &event).await?;
@@ -1102,8 +1109,7 @@ impl Store for SqliteStore {
             ended.extend(Ended::new(attempt, job, event));
         }
         let mut expired = Vec::with_capacity(past_deadline.len());
-        for row in &past_deadline {
-            let mut job = job_from_row(row)?;
+        for (_, mut job) in readable(&past_deadline, job_from_row, row_id, "the reaper") {
             let event = transition::deadline_passed(&mut job, now);
             save(&mut tx, &job, &event).await?;
             changes.job_event(&job, &event);
@@ -1126,8 +1132,8 @@ impl Store for SqliteStore {
         .rows_affected();
         self.commit(tx, &Changes::default()).await?;
         Ok(Reaped {
-            expired_leases: expired_leases.len() as u64,
-            expired_deadlines: past_deadline.len() as u64,
+            expired_leases: reclaimed,
+            expired_deadlines: expired.len() as u64,
             deleted,
             ended,
             expired,
