@@ -33,7 +33,7 @@ enum Command {
     Serve(Box<ServeArgs>),
     /// Apply the database migrations and exit.
     Migrate(DatabaseArgs),
-    /// Measure a server: submit, e2e, e2e-batched, burn-down, dispatch, backlog, watchers.
+    /// Measure a server: submit, e2e, e2e-batched, burn-down, dispatch, backlog, watchers, transport.
     ///
     /// Against --addr, or a server it starts itself with --spawn (which
     /// DROPS and recreates the database first). Prints a table row and one

@@ -160,6 +160,18 @@ fn check(reports: &[Value], backend: &str) {
         assert!(number(backlog[1], key) > 0.0, "{key}");
     }
 
+    let transport = lines(reports, "transport");
+    assert_eq!(transport.len(), 1);
+    let row = transport[0];
+    assert_eq!(number(row, "callers"), 4.0, "producers + workers");
+    assert_eq!(number(row, "calls"), (3 * E2E_JOBS) as f64, "{row}");
+    assert!(number(row, "calls_per_s") > 0.0, "{row}");
+    assert_eq!(
+        number(row, "e2e_ceiling_jobs_per_s"),
+        (number(row, "calls_per_s") / 3.0).round(),
+        "{row}"
+    );
+
     let watchers = lines(reports, "watchers");
     assert_eq!(watchers.len(), 1);
     let row = watchers[0];

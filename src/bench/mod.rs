@@ -93,7 +93,8 @@ pub struct BenchArgs {
     #[arg(long, value_name = "N", default_value_t = 5000)]
     pub submit_jobs: u64,
 
-    /// Producers of e2e, e2e-batched and backlog (each on its own connection).
+    /// Producers of e2e, e2e-batched and backlog (each on its own connection); transport
+    /// runs as many callers as producers and workers together.
     #[arg(long, value_name = "N", default_value_t = 32)]
     pub producers: usize,
 
@@ -101,7 +102,7 @@ pub struct BenchArgs {
     #[arg(long, value_name = "N", default_value_t = 32)]
     pub workers: usize,
 
-    /// Measured jobs of e2e.
+    /// Measured jobs of e2e (transport makes three calls for each).
     #[arg(long, value_name = "N", default_value_t = 20_000)]
     pub e2e_jobs: u64,
 

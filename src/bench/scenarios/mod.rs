@@ -6,6 +6,7 @@ mod dispatch;
 mod load;
 mod pipeline;
 mod submit;
+mod transport;
 mod watchers;
 
 use std::time::Duration;
@@ -39,6 +40,9 @@ pub enum Scenario {
     Backlog,
     /// Thousands of WatchJob streams: memory, connections, event latency.
     Watchers,
+    /// Calls that do no work (the health check) from as many callers as
+    /// e2e: what the transport alone allows.
+    Transport,
 }
 
 /// How much load each scenario sends.
@@ -80,6 +84,8 @@ pub struct Sizes {
 pub const SMALL_BACKLOG: u64 = 1000;
 /// Most jobs one Lease may ask for.
 const MAX_LEASE: usize = 100;
+/// Calls per job in e2e: Submit, Lease and Complete.
+const E2E_CALLS_PER_JOB: u64 = 3;
 
 /// What the scenarios need to know about the run.
 pub struct Ctx {
@@ -350,6 +356,28 @@ pub async fn run(
                     )
                     .field("db_pool", pool)
                     .field("stats_succeeded", succeeded(&ctx.conn, &queue).await?),
+            )?;
+        }
+        Scenario::Transport => {
+            let callers = s.producers + s.workers;
+            let calls = s.e2e_jobs * E2E_CALLS_PER_JOB;
+            progress(&format!("transport: {callers} callers, {calls} calls"));
+            if s.warmup > 0 {
+                transport::run(&ctx.conn, callers, s.warmup).await?;
+            }
+            let run = transport::run(&ctx.conn, callers, calls).await?;
+            let calls_per_s = rate(calls, run.elapsed);
+            emit(
+                Report::new("transport")
+                    .field("callers", callers)
+                    .field("calls", calls)
+                    .rate("calls_per_s", calls_per_s)
+                    .latency("latency", summarize(run.latencies))
+                    .field(
+                        "e2e_ceiling_jobs_per_s",
+                        (calls_per_s / E2E_CALLS_PER_JOB as f64).round(),
+                    )
+                    .field("warmup_calls", s.warmup),
             )?;
         }
     }
