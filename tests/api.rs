@@ -1436,14 +1436,7 @@ async fn lease_expiry_reclaims(backend: Backend) {
     .await;
     let mut jobs = server.jobs_client("t");
     let mut workers = server.workers_client("t");
-    let short = |queue: &str| pb::LeaseRequest {
-        worker_id: "slow".into(),
-        queues: vec![queue.into()],
-        max_jobs: Some(1),
-        lease_duration: Some(secs(1)),
-        wait: Some(secs(5)),
-        ..Default::default()
-    };
+    let short = |queue: &str| short_lease_req("slow", queue, 1, Duration::from_secs(5));
 
     let job = submit(&mut jobs, "exp", "k", json!({})).await;
     let old = workers
@@ -1540,10 +1533,7 @@ async fn unreadable_rows_are_set_aside(backend: Backend) {
     let bad_running = submit(&mut jobs, "reaped", "k", json!({})).await;
     let good_running = submit(&mut jobs, "reaped", "k", json!({})).await;
     let leased = workers
-        .lease(pb::LeaseRequest {
-            lease_duration: Some(secs(1)),
-            ..lease_req("gone", "reaped", 2, Duration::ZERO)
-        })
+        .lease(short_lease_req("gone", "reaped", 2, Duration::ZERO))
         .await
         .expect("Lease")
         .into_inner()
@@ -1576,6 +1566,18 @@ async fn unreadable_rows_are_set_aside(backend: Backend) {
     assert!(
         lease_now(&mut workers, "w", "claimed").await.is_empty(),
         "the unreadable job is out of the queue"
+    );
+    let leased_events = db_integers(
+        server.backend,
+        &server.settings.database_url,
+        "SELECT count(*) FROM job_events WHERE CAST(job_id AS TEXT) = $1 AND type = 'leased'",
+        &[&bad_queued.id],
+    )
+    .await;
+    assert_eq!(
+        leased_events,
+        [1],
+        "the unreadable job's lease is recorded like any other"
     );
     expect_code(
         jobs.get(pb::GetJobRequest {

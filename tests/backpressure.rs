@@ -328,14 +328,13 @@ async fn counts_follow_concurrent_transitions(backend: Backend) {
         tasks.push(tokio::spawn(async move {
             let mut idle = 0;
             while idle < 10 {
-                let mut req = lease_req(
+                let mut req = short_lease_req(
                     &format!("w{w}"),
                     queues[w % 2],
                     3,
                     Duration::from_millis(200),
                 );
                 req.queues = queues.iter().map(|q| q.to_string()).collect();
-                req.lease_duration = Some(secs(1));
                 let leased = workers.lease(req).await.expect("Lease").into_inner().jobs;
                 idle = if leased.is_empty() { idle + 1 } else { 0 };
                 for (k, job) in leased.iter().enumerate() {

@@ -423,10 +423,8 @@ async fn an_attempt_the_reaper_ends_has_its_span(backend: Backend) {
     let mut workers = server.workers_client("acme");
     // No caller context: the job joins the trace its Submit call started.
     submit(&mut jobs, "obs", "embed", json!({})).await;
-    let mut lease = lease_req("w-gone", "obs", 1, Duration::from_secs(5));
-    lease.lease_duration = Some(secs(1));
     let leased = workers
-        .lease(lease)
+        .lease(short_lease_req("w-gone", "obs", 1, Duration::from_secs(5)))
         .await
         .expect("Lease succeeds")
         .into_inner()

@@ -523,8 +523,7 @@ async fn callbacks_reach_a_verifying_receiver_after_an_outage(backend: Backend) 
     r.max_attempts = Some(1);
     r.queue = "cb-abandoned".into();
     let abandoned = submit_with(&mut jobs, r).await;
-    let mut lease = lease_req("w", "cb-abandoned", 1, Duration::from_secs(5));
-    lease.lease_duration = Some(secs(1));
+    let lease = short_lease_req("w", "cb-abandoned", 1, Duration::from_secs(5));
     let leased = workers.lease(lease).await.expect("lease").into_inner().jobs;
     assert_eq!(leased.len(), 1);
 

@@ -579,6 +579,18 @@ impl SqliteStore {
         .bind(spec.all_tenants || self.caps.any())
         .fetch_all(&mut **tx)
         .await?;
+        // Every leased row gets its LEASED event from its columns, so one
+        // that cannot be read (and is left out below) still records its
+        // lease, as PostgreSQL's claim does.
+        let ids: Vec<String> = rows.iter().filter_map(row_id).collect();
+        sqlx::query(
+            "INSERT INTO job_events (job_id, sequence, type, state, attempt, worker_id, at)
+             SELECT id, event_seq, 'leased', 'running', attempt, lease_owner, updated_at
+             FROM jobs WHERE id IN (SELECT value FROM json_each(?1))",
+        )
+        .bind(to_json(&ids))
+        .execute(&mut **tx)
+        .await?;
         let mut jobs: Vec<Job> = readable(&rows, job_from_row, row_id, "a claim")
             .into_iter()
             .map(|(_, job)| job)
@@ -591,7 +603,6 @@ impl SqliteStore {
         });
         for job in &jobs {
             let event = JobEvent::leased(job);
-            insert_event(tx, &event).await?;
             // A job leased from a half-open breaker is its probe.
             sqlx::query(
                 "UPDATE breakers SET probe_job = ?4, updated_at = ?5
@@ -1098,15 +1109,13 @@ impl Store for SqliteStore {
         .fetch_all(&mut *tx)
         .await?;
         let mut changes = Changes::default();
-        let mut ended = Vec::with_capacity(expired_leases.len());
-        let expired_leases = readable(&expired_leases, job_from_row, row_id, "the reaper");
-        let reclaimed = expired_leases.len() as u64;
-        for (_, mut job) in expired_leases {
+        let mut reclaimed = Vec::with_capacity(expired_leases.len());
+        for (_, mut job) in readable(&expired_leases, job_from_row, row_id, "the reaper") {
             let attempt = job.running_attempt();
             let event = transition::lease_expired(&mut job, now);
             save(&mut tx, &job, &event).await?;
             changes.job_event(&job, &event);
-            ended.extend(Ended::new(attempt, job, event));
+            reclaimed.push((attempt, job, event));
         }
         let mut expired = Vec::with_capacity(past_deadline.len());
         for (_, mut job) in readable(&past_deadline, job_from_row, row_id, "the reaper") {
@@ -1116,6 +1125,12 @@ impl Store for SqliteStore {
             expired.push(event);
         }
         self.commit(tx, &changes).await?;
+        let expired_leases = reclaimed.len() as u64;
+        let expired_deadlines = expired.len() as u64;
+        let ended = reclaimed
+            .into_iter()
+            .filter_map(|(attempt, job, event)| Ended::new(attempt, job, event))
+            .collect();
         // Its own short transaction, so the single writer is not held long.
         let mut tx = self.begin().await?;
         let deleted = sqlx::query(
@@ -1132,8 +1147,8 @@ impl Store for SqliteStore {
         .rows_affected();
         self.commit(tx, &Changes::default()).await?;
         Ok(Reaped {
-            expired_leases: reclaimed,
-            expired_deadlines: expired.len() as u64,
+            expired_leases,
+            expired_deadlines,
             deleted,
             ended,
             expired,

@@ -519,6 +519,20 @@ pub fn lease_req(worker: &str, queue: &str, max_jobs: u32, wait: Duration) -> pb
     }
 }
 
+/// A `lease_req` whose lease runs out after one second, for tests of what
+/// happens to a job its worker abandons.
+pub fn short_lease_req(
+    worker: &str,
+    queue: &str,
+    max_jobs: u32,
+    wait: Duration,
+) -> pb::LeaseRequest {
+    pb::LeaseRequest {
+        lease_duration: Some(secs(1)),
+        ..lease_req(worker, queue, max_jobs, wait)
+    }
+}
+
 pub fn success_req(leased: &pb::LeasedJob, result: serde_json::Value) -> pb::CompleteRequest {
     pb::CompleteRequest {
         job_id: leased.job_id.clone(),

@@ -6,6 +6,7 @@ mod dispatch;
 mod load;
 mod pipeline;
 mod submit;
+mod timed;
 mod transport;
 mod watchers;
 
