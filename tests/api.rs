@@ -1517,6 +1517,7 @@ async fn lease_expiry_reclaims(backend: Backend) {
 async fn unreadable_rows_are_set_aside(backend: Backend) {
     let server = TestServer::start_with(backend, |s| {
         s.reaper_interval = Duration::from_millis(200);
+        s.metrics_refresh = Duration::from_millis(100);
     })
     .await;
     let mut jobs = server.jobs_client("t");
@@ -1587,6 +1588,22 @@ async fn unreadable_rows_are_set_aside(backend: Backend) {
         Code::Internal,
         "Get of an unreadable job",
     );
+    // Both were counted: the claim met one, the reaper the other (once
+    // per pass until mended).
+    within(
+        Duration::from_secs(10),
+        "the unreadable rows to be counted",
+        async {
+            loop {
+                let metrics = parse(&scrape(server.http_addr).await);
+                if metrics.get("intray_unreadable_job_rows_total") >= Some(&2.0) {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        },
+    )
+    .await;
     server.stop().await;
 }
 

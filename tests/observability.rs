@@ -29,7 +29,6 @@ use opentelemetry_proto::tonic::trace::v1::Span;
 use opentelemetry_proto::tonic::trace::v1::status::StatusCode;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use serde_json::json;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
@@ -464,39 +463,6 @@ async fn an_attempt_the_reaper_ends_has_its_span(backend: Backend) {
 // ---------------------------------------------------------------------------
 // Metrics
 // ---------------------------------------------------------------------------
-
-/// `GET /metrics` over a plain HTTP/1.1 connection.
-async fn scrape(addr: SocketAddr) -> String {
-    let mut conn = tokio::net::TcpStream::connect(addr)
-        .await
-        .expect("connect to the HTTP port");
-    conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: intray\r\nConnection: close\r\n\r\n")
-        .await
-        .expect("send the request");
-    let mut response = String::new();
-    conn.read_to_string(&mut response)
-        .await
-        .expect("read the response");
-    let (head, body) = response.split_once("\r\n\r\n").expect("an HTTP response");
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    assert!(
-        head.to_ascii_lowercase()
-            .contains("content-type: text/plain; version=0.0.4"),
-        "{head}"
-    );
-    body.to_owned()
-}
-
-/// `name{labels} value` lines as a map from `name{labels}` to the value.
-fn parse(text: &str) -> HashMap<String, f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
-        .map(|l| {
-            let (series, value) = l.rsplit_once(' ').expect("series and value");
-            (series.to_owned(), value.parse().expect("a number"))
-        })
-        .collect()
-}
 
 async fn metrics_show_the_jobs_made(backend: Backend) {
     let server = TestServer::start_with(backend, |s| {

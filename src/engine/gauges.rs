@@ -1,6 +1,7 @@
 //! Refreshes the database gauges of `/metrics` (jobs by state, oldest
-//! runnable age, leases in flight) on a timer, so that a scrape never
-//! queries the database and a scraper cannot load it.
+//! runnable age, leases in flight) and the store's count of unreadable
+//! rows on a timer, so that a scrape never queries the database and a
+//! scraper cannot load it.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,6 +25,7 @@ pub async fn run(
             () = stop.cancelled() => return,
             _ = ticker.tick() => {}
         }
+        metrics.set_unreadable_rows(store.unreadable_rows());
         match store.queue_depths().await {
             Ok(depths) => metrics.set_depths(&depths),
             Err(err) => {

@@ -287,6 +287,11 @@ pub trait Store: Send + Sync + 'static {
     /// age, for the metrics gauges (one grouped scan; run on a timer).
     async fn queue_depths(&self) -> StoreResult<Vec<QueueDepth>>;
 
+    /// Job rows this store has left out of claims and reaper passes since
+    /// it opened because they could not be read (see `unreadable`), each
+    /// time one was met.
+    fn unreadable_rows(&self) -> u64;
+
     /// The webhook outbox on the same database (and, on SQLite, the same
     /// single writer).
     fn outbox(&self) -> Arc<dyn outbox::Outbox>;

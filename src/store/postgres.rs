@@ -22,7 +22,7 @@ use uuid::Uuid;
 
 use super::changes::{CHANNEL, Changes, wake_everything, wake_from_payload};
 use super::pg_counts::Counts;
-use super::unreadable::readable;
+use super::unreadable::Unreadable;
 use super::{
     Ended, QueueDepth, QueueStatsBuilder, Reaped, Retried, RunningCaps, Stats, Store, StoreError,
     StoreResult, Submitted,
@@ -72,6 +72,7 @@ pub struct PgStore {
     listener_stop: CancellationToken,
     /// Jobs per queue and state, kept by the database.
     counts: Counts,
+    unreadable: Unreadable,
 }
 
 impl Drop for PgStore {
@@ -656,6 +657,7 @@ impl PgStore {
             breaker: settings.breaker.clone(),
             committed,
             listener_stop,
+            unreadable: Unreadable::default(),
         })
     }
 
@@ -1258,7 +1260,9 @@ impl Store for PgStore {
         .await?;
         // The claim is committed already: a row that cannot be read stays
         // leased to nobody (see `unreadable`), and the others are answered.
-        let jobs = readable(&rows, job_from_row, row_id, "a claim");
+        let jobs = self
+            .unreadable
+            .readable(&rows, job_from_row, row_id, "a claim");
         let mut claimed: Vec<Vec<Job>> = specs.iter().map(|_| Vec::new()).collect();
         let mut changes = Changes::default();
         for (row, job) in jobs {
@@ -1474,7 +1478,10 @@ impl Store for PgStore {
         .await?;
         let mut changes = Changes::default();
         let mut reclaimed = Vec::with_capacity(expired_leases.len());
-        for (row, mut job) in readable(&expired_leases, job_from_row, row_id, "the reaper") {
+        for (row, mut job) in
+            self.unreadable
+                .readable(&expired_leases, job_from_row, row_id, "the reaper")
+        {
             let now: DateTime<Utc> = row.try_get("db_now")?;
             let attempt = job.running_attempt();
             let event = transition::lease_expired(&mut job, now);
@@ -1482,7 +1489,10 @@ impl Store for PgStore {
             reclaimed.push((attempt, job, event));
         }
         let mut past = Vec::with_capacity(past_deadline.len());
-        for (row, mut job) in readable(&past_deadline, job_from_row, row_id, "the reaper") {
+        for (row, mut job) in
+            self.unreadable
+                .readable(&past_deadline, job_from_row, row_id, "the reaper")
+        {
             let now: DateTime<Utc> = row.try_get("db_now")?;
             let event = transition::deadline_passed(&mut job, now);
             changes.job_event(&job, &event);
@@ -1594,6 +1604,10 @@ impl Store for PgStore {
             }
         }
         Ok(depths.into_values().collect())
+    }
+
+    fn unreadable_rows(&self) -> u64 {
+        self.unreadable.left_out()
     }
 
     fn outbox(&self) -> Arc<dyn super::outbox::Outbox> {

@@ -22,7 +22,7 @@ use sqlx::{Row, SqliteConnection, Transaction};
 use uuid::Uuid;
 
 use super::changes::Changes;
-use super::unreadable::readable;
+use super::unreadable::Unreadable;
 use super::{
     Ended, QueueDepth, QueueStatsBuilder, Reaped, Retried, RunningCaps, Stats, Store, StoreError,
     StoreResult, Submitted,
@@ -67,6 +67,7 @@ pub struct SqliteStore {
     notifier: Arc<Notifier>,
     caps: RunningCaps,
     breaker: BreakerPolicy,
+    unreadable: Unreadable,
 }
 
 type Tx = Transaction<'static, sqlx::Sqlite>;
@@ -308,6 +309,7 @@ impl SqliteStore {
             notifier,
             caps: RunningCaps::from_settings(settings),
             breaker: settings.breaker.clone(),
+            unreadable: Unreadable::default(),
         })
     }
 
@@ -591,7 +593,9 @@ impl SqliteStore {
         .bind(to_json(&ids))
         .execute(&mut **tx)
         .await?;
-        let mut jobs: Vec<Job> = readable(&rows, job_from_row, row_id, "a claim")
+        let mut jobs: Vec<Job> = self
+            .unreadable
+            .readable(&rows, job_from_row, row_id, "a claim")
             .into_iter()
             .map(|(_, job)| job)
             .collect();
@@ -1110,7 +1114,10 @@ impl Store for SqliteStore {
         .await?;
         let mut changes = Changes::default();
         let mut reclaimed = Vec::with_capacity(expired_leases.len());
-        for (_, mut job) in readable(&expired_leases, job_from_row, row_id, "the reaper") {
+        for (_, mut job) in
+            self.unreadable
+                .readable(&expired_leases, job_from_row, row_id, "the reaper")
+        {
             let attempt = job.running_attempt();
             let event = transition::lease_expired(&mut job, now);
             save(&mut tx, &job, &event).await?;
@@ -1118,7 +1125,10 @@ impl Store for SqliteStore {
             reclaimed.push((attempt, job, event));
         }
         let mut expired = Vec::with_capacity(past_deadline.len());
-        for (_, mut job) in readable(&past_deadline, job_from_row, row_id, "the reaper") {
+        for (_, mut job) in
+            self.unreadable
+                .readable(&past_deadline, job_from_row, row_id, "the reaper")
+        {
             let event = transition::deadline_passed(&mut job, now);
             save(&mut tx, &job, &event).await?;
             changes.job_event(&job, &event);
@@ -1230,6 +1240,10 @@ impl Store for SqliteStore {
             }
         }
         Ok(depths.into_values().collect())
+    }
+
+    fn unreadable_rows(&self) -> u64 {
+        self.unreadable.left_out()
     }
 
     fn outbox(&self) -> Arc<dyn super::outbox::Outbox> {

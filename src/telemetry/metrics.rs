@@ -164,6 +164,7 @@ pub struct Metrics {
     rpc_duration: Family<Histogram>,
     rpc_responses: Family<f64>,
     refresh_failures: Family<f64>,
+    unreadable_rows: Family<f64>,
     webhook_deliveries: Family<f64>,
     webhook_ingress: Family<f64>,
 }
@@ -234,6 +235,11 @@ impl Metrics {
                 "Timer refreshes of the database gauges that failed.",
                 &[],
             ),
+            unreadable_rows: Family::new(
+                "intray_unreadable_job_rows_total",
+                "Job rows left out of claims and reaper passes because they could not be read, each time one was met (refreshed on a timer).",
+                &[],
+            ),
             webhook_deliveries: Family::new(
                 "intray_webhook_delivery_attempts_total",
                 "Completion callback attempts by outcome (delivered, retry, failed).",
@@ -276,6 +282,11 @@ impl Metrics {
     /// A failed refresh of the database gauges.
     pub fn refresh_failed(&self) {
         self.refresh_failures.with(&[], || 0.0, |v| *v += 1.0);
+    }
+
+    /// The store's count of unreadable job rows left out so far.
+    pub fn set_unreadable_rows(&self, n: u64) {
+        self.unreadable_rows.with(&[], || 0.0, |v| *v = n as f64);
     }
 
     /// A job was leased after waiting `wait` since it became runnable.
@@ -370,6 +381,7 @@ impl Metrics {
         render_histograms(&mut out, &self.rpc_duration);
         render_scalars(&mut out, &self.rpc_responses, "counter");
         render_scalars(&mut out, &self.refresh_failures, "counter");
+        render_scalars(&mut out, &self.unreadable_rows, "counter");
         render_scalars(&mut out, &self.webhook_deliveries, "counter");
         render_scalars(&mut out, &self.webhook_ingress, "counter");
         out

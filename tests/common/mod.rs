@@ -6,7 +6,7 @@
 //! `#[tokio::test]` per backend, so the same suite runs on SQLite and PostgreSQL.
 #![allow(dead_code)]
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -19,6 +19,7 @@ use intray::pb::job_service_client::JobServiceClient;
 use intray::pb::worker_service_client::WorkerServiceClient;
 use intray::pb::{self, JobEventType, JobState};
 use sqlx::Connection;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tonic::metadata::{AsciiMetadataValue, MetadataValue};
@@ -833,4 +834,37 @@ pub async fn within<T>(d: Duration, what: &str, fut: impl Future<Output = T>) ->
     tokio::time::timeout(d, fut)
         .await
         .unwrap_or_else(|_| panic!("{what} did not finish within {d:?}"))
+}
+
+/// `GET /metrics` over a plain HTTP/1.1 connection.
+pub async fn scrape(addr: SocketAddr) -> String {
+    let mut conn = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("connect to the HTTP port");
+    conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: intray\r\nConnection: close\r\n\r\n")
+        .await
+        .expect("send the request");
+    let mut response = String::new();
+    conn.read_to_string(&mut response)
+        .await
+        .expect("read the response");
+    let (head, body) = response.split_once("\r\n\r\n").expect("an HTTP response");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: text/plain; version=0.0.4"),
+        "{head}"
+    );
+    body.to_owned()
+}
+
+/// `name{labels} value` lines as a map from `name{labels}` to the value.
+pub fn parse(text: &str) -> HashMap<String, f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| {
+            let (series, value) = l.rsplit_once(' ').expect("series and value");
+            (series.to_owned(), value.parse().expect("a number"))
+        })
+        .collect()
 }
