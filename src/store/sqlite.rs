@@ -583,14 +583,30 @@ impl SqliteStore {
         .await?;
         // Every leased row gets its LEASED event from its columns, so one
         // that cannot be read (and is left out below) still records its
-        // lease, as PostgreSQL's claim does.
-        let ids: Vec<String> = rows.iter().filter_map(row_id).collect();
+        // lease, as PostgreSQL's claim does. A job leased from a half-open
+        // breaker is its probe; the claim takes at most one job per
+        // half-open kind. One statement each, however many jobs.
+        let ids = to_json(&rows.iter().filter_map(row_id).collect::<Vec<_>>());
         sqlx::query(
             "INSERT INTO job_events (job_id, sequence, type, state, attempt, worker_id, at)
              SELECT id, event_seq, 'leased', 'running', attempt, lease_owner, updated_at
              FROM jobs WHERE id IN (SELECT value FROM json_each(?1))",
         )
-        .bind(to_json(&ids))
+        .bind(&ids)
+        .execute(&mut **tx)
+        .await?;
+        sqlx::query(
+            "UPDATE breakers SET probe_job = leased.id, updated_at = ?2
+             FROM (SELECT id, tenant, queue, kind FROM jobs
+                   WHERE id IN (SELECT value FROM json_each(?1))) AS leased
+             WHERE breakers.tenant = leased.tenant AND breakers.queue = leased.queue
+               AND breakers.kind = leased.kind AND breakers.open_until <= ?2
+               AND (breakers.probe_job IS NULL
+                    OR NOT EXISTS (SELECT 1 FROM jobs p WHERE p.id = breakers.probe_job
+                                                          AND p.state = 'running'))",
+        )
+        .bind(&ids)
+        .bind(now)
         .execute(&mut **tx)
         .await?;
         let mut jobs: Vec<Job> = self
@@ -606,23 +622,7 @@ impl SqliteStore {
                 .then(a.id.cmp(&b.id))
         });
         for job in &jobs {
-            let event = JobEvent::leased(job);
-            // A job leased from a half-open breaker is its probe.
-            sqlx::query(
-                "UPDATE breakers SET probe_job = ?4, updated_at = ?5
-                 WHERE tenant = ?1 AND queue = ?2 AND kind = ?3 AND open_until <= ?5
-                   AND (probe_job IS NULL
-                        OR NOT EXISTS (SELECT 1 FROM jobs p WHERE p.id = breakers.probe_job
-                                                              AND p.state = 'running'))",
-            )
-            .bind(&job.tenant)
-            .bind(&job.queue)
-            .bind(&job.kind)
-            .bind(job.id.to_string())
-            .bind(now)
-            .execute(&mut **tx)
-            .await?;
-            changes.job_event(job, &event);
+            changes.job_event(job, &JobEvent::leased(job));
         }
         Ok(jobs)
     }
