@@ -2142,13 +2142,14 @@ async fn complete_batch_stale_item(backend: Backend) {
             items: vec![
                 success_req(good, json!("good")),
                 success_req(&forged, json!("stale")),
+                success_req(good, json!("again")),
             ],
         })
         .await
         .expect("CompleteBatch")
         .into_inner()
         .results;
-    assert_eq!(res.len(), 2);
+    assert_eq!(res.len(), 3);
     use pb::complete_batch_result::Result as R;
     match &res[0].result {
         Some(R::Job(j)) => {
@@ -2161,7 +2162,17 @@ async fn complete_batch_stale_item(backend: Backend) {
         Some(R::Error(e)) => assert_eq!(e.code, Code::Aborted as i32, "{e:?}"),
         other => panic!("item 1 has a stale token, got {other:?}"),
     }
-    assert_eq!(state(&get(&mut jobs, &good.job_id).await), St::Succeeded);
+    match &res[2].result {
+        Some(R::Error(e)) => assert_eq!(e.code, Code::Aborted as i32, "{e:?}"),
+        other => panic!("item 2 repeats item 0's job, which it ended, got {other:?}"),
+    }
+    let good_job = get(&mut jobs, &good.job_id).await;
+    assert_eq!(state(&good_job), St::Succeeded);
+    assert_eq!(
+        good_job.result,
+        Some(json_to_value(json!("good"))),
+        "the first outcome stands"
+    );
     let s = get(&mut jobs, &stale.job_id).await;
     assert_eq!(state(&s), St::Running, "the stale item wrote nothing");
     assert!(s.result.is_none());

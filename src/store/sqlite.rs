@@ -6,7 +6,7 @@
 //! durable before the caller hears about it. Timestamps are Unix milliseconds
 //! of this process's clock, which is the only clock that writes this file.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -1052,22 +1052,45 @@ impl Store for SqliteStore {
     ) -> StoreResult<Vec<StoreResult<Ended>>> {
         let mut tx = self.begin().await?;
         let now = Utc::now();
+        // The batch's jobs in one read. Each outcome applies to the job as
+        // the batch left it, so a second outcome for the same job meets
+        // the first one's result, as it would in separate calls.
+        let ids: Vec<String> = items.iter().map(|i| i.job_id.to_string()).collect();
+        let rows = sqlx::query(
+            "SELECT *, EXISTS (SELECT 1 FROM breakers b WHERE b.tenant = jobs.tenant
+                               AND b.queue = jobs.queue AND b.kind = jobs.kind) AS has_breaker
+             FROM jobs WHERE tenant = ?1 AND id IN (SELECT value FROM json_each(?2))",
+        )
+        .bind(tenant)
+        .bind(to_json(&ids))
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut has_breaker = false;
+        let mut jobs: HashMap<Uuid, Job> = HashMap::with_capacity(rows.len());
+        for row in &rows {
+            has_breaker |= row.try_get::<bool, _>("has_breaker")?;
+            let job = job_from_row(row)?;
+            jobs.insert(job.id, job);
+        }
+        // Without a breaker on any of the jobs and without a failure in
+        // the batch, no outcome can change a breaker (as on PostgreSQL).
+        let breakers = self.breaker.threshold > 0
+            && (has_breaker
+                || items
+                    .iter()
+                    .any(|item| breaker::failure_of(&item.outcome).is_some()));
         let mut changes = Changes::default();
         let mut results = Vec::with_capacity(items.len());
         for item in items {
-            let mut job = match load(&mut tx, tenant, item.job_id).await {
-                Ok(job) => job,
-                Err(StoreError::NotFound) => {
-                    results.push(Err(StoreError::NotFound));
-                    continue;
-                }
-                Err(other) => return Err(other),
+            let Some(job) = jobs.get_mut(&item.job_id) else {
+                results.push(Err(StoreError::NotFound));
+                continue;
             };
             let jitter = rand::random::<f64>();
             let attempt = job.running_attempt();
             let failure = breaker::failure_of(&item.outcome);
             match transition::complete(
-                &mut job,
+                job,
                 &item.lease_token,
                 item.outcome,
                 item.cost_cents,
@@ -1075,9 +1098,12 @@ impl Store for SqliteStore {
                 jitter,
             ) {
                 Ok(event) => {
+                    let job = job.clone();
                     save(&mut tx, &job, &event).await?;
-                    self.update_breaker(&mut tx, &job, failure.as_ref(), now)
-                        .await?;
+                    if breakers {
+                        self.update_breaker(&mut tx, &job, failure.as_ref(), now)
+                            .await?;
+                    }
                     changes.job_event(&job, &event);
                     // A successful complete always ended a running attempt.
                     results.push(
