@@ -63,13 +63,20 @@ pub struct ServeArgs {
           value_parser = clap::value_parser!(u32).range(3..))]
     pub max_connections: u32,
 
-    /// Shared transactions that each of the Submit, Lease and Complete
-    /// coalescers may run at once. Concurrent unary calls queue up behind
-    /// them and go into the next shared transaction; 1 gives the largest
-    /// batches, more overlaps commits. Each takes a pool connection.
+    /// Shared transactions that each of the Lease and Complete coalescers
+    /// may run at once. Concurrent unary calls queue up behind them and go
+    /// into the next shared transaction; 1 gives the largest batches, more
+    /// overlaps commits. Each takes a pool connection.
     #[arg(long, env = "INTRAY_COALESCE_IN_FLIGHT", default_value_t = 2,
           value_parser = clap::value_parser!(u16).range(1..=64))]
     pub coalesce_in_flight: u16,
+
+    /// The same for the Submit coalescer. One at a time by default: a
+    /// submit is one autocommitted statement, and twice the batch in one
+    /// statement beat two overlapping ones (README, "Performance").
+    #[arg(long, env = "INTRAY_SUBMIT_IN_FLIGHT", default_value_t = 1,
+          value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub submit_in_flight: u16,
 
     /// How often the reaper reclaims expired leases and expires jobs past their deadline.
     #[arg(long, env = "INTRAY_REAPER_INTERVAL", default_value = "5s", value_parser = duration)]
@@ -294,6 +301,7 @@ impl ServeArgs {
         let mut s = Settings::new(self.database.url());
         s.max_connections = self.max_connections;
         s.coalesce_in_flight = usize::from(self.coalesce_in_flight);
+        s.submit_in_flight = usize::from(self.submit_in_flight);
         s.reaper_interval = self.reaper_interval;
         s.default_lease = self.lease_duration;
         s.max_lease = self.max_lease_duration;

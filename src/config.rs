@@ -17,9 +17,11 @@ pub struct Settings {
     /// pool and the other one (see `PgStore::open`); at least 3, or the
     /// pools are given 1 and 2 anyway.
     pub max_connections: u32,
-    /// Shared transactions each coalescer (submit, lease, complete) may
-    /// run at once.
+    /// Shared transactions the lease and complete coalescers may each run
+    /// at once.
     pub coalesce_in_flight: usize,
+    /// Shared transactions the submit coalescer may run at once.
+    pub submit_in_flight: usize,
     /// How often the reaper looks for expired leases, cancel grace and deadlines.
     pub reaper_interval: Duration,
     /// Lease length when a worker does not ask for one.
@@ -114,6 +116,7 @@ impl Settings {
             database_url: database_url.into(),
             max_connections: 16,
             coalesce_in_flight: 2,
+            submit_in_flight: 1,
             reaper_interval: Duration::from_secs(5),
             default_lease: Duration::from_secs(60),
             max_lease: Duration::from_secs(3600),

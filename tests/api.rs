@@ -2437,7 +2437,11 @@ async fn lease_order_and_kind_filter(backend: Backend) {
 async fn coalesced_neighbours_are_independent(backend: Backend) {
     // One shared transaction at a time: concurrent calls queue up behind it
     // and go into the next one together.
-    let server = TestServer::start_with(backend, |s| s.coalesce_in_flight = 1).await;
+    let server = TestServer::start_with(backend, |s| {
+        s.coalesce_in_flight = 1;
+        s.submit_in_flight = 1;
+    })
+    .await;
     let mut jobs = server.jobs_client("t");
     let mut keyed = submit_req("co", "k", json!({"v": "original"}));
     keyed.idempotency_key = "shared-key".into();

@@ -65,6 +65,7 @@ impl Context {
         Ok(Context {
             batchers: Arc::new(Batchers::start(
                 Arc::clone(&store),
+                settings.submit_in_flight,
                 settings.coalesce_in_flight,
             )),
             store,

@@ -23,16 +23,17 @@ pub struct Batchers {
 }
 
 impl Batchers {
-    /// Starts the coalescing tasks; each runs at most `in_flight`
-    /// transactions at once.
-    pub fn start(store: Arc<dyn Store>, in_flight: usize) -> Self {
+    /// Starts the coalescing tasks: the submit one runs at most
+    /// `submit_in_flight` transactions at once, the lease and complete
+    /// ones `in_flight` each.
+    pub fn start(store: Arc<dyn Store>, submit_in_flight: usize, in_flight: usize) -> Self {
         let parking = Arc::new(Parking::default());
         let submit = SubmitFlush {
             store: Arc::clone(&store),
             parking: Arc::clone(&parking),
         };
         Batchers {
-            submit: Coalescer::start(submit, in_flight, MAX_WEIGHT),
+            submit: Coalescer::start(submit, submit_in_flight, MAX_WEIGHT),
             lease: Coalescer::start(LeaseFlush(Arc::clone(&store)), in_flight, MAX_WEIGHT),
             complete: Coalescer::start(CompleteFlush(Arc::clone(&store)), in_flight, MAX_WEIGHT),
             store,
