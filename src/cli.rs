@@ -73,7 +73,7 @@ pub struct ServeArgs {
 
     /// The same for the Submit coalescer. One at a time by default: a
     /// submit is one autocommitted statement, and twice the batch in one
-    /// statement beat two overlapping ones (README, "Performance").
+    /// statement beat two overlapping ones (docs/performance-log.md).
     #[arg(long, env = "INTRAY_SUBMIT_IN_FLIGHT", default_value_t = 1,
           value_parser = clap::value_parser!(u16).range(1..=64))]
     pub submit_in_flight: u16,
