@@ -159,6 +159,28 @@ pub struct Reaped {
     pub expired: Vec<JobEvent>,
 }
 
+impl Reaped {
+    /// A pass's report from the leases it reclaimed (each with the attempt
+    /// taken before its transition), the `EXPIRED` events of the queued
+    /// jobs past their deadline, and the jobs retention deleted.
+    fn new(
+        reclaimed: Vec<(Option<RunningAttempt>, Job, JobEvent)>,
+        expired: Vec<JobEvent>,
+        deleted: u64,
+    ) -> Reaped {
+        Reaped {
+            expired_leases: reclaimed.len() as u64,
+            expired_deadlines: expired.len() as u64,
+            deleted,
+            ended: reclaimed
+                .into_iter()
+                .filter_map(|(attempt, job, event)| Ended::new(attempt, job, event))
+                .collect(),
+            expired,
+        }
+    }
+}
+
 /// Jobs of one tenant's queue by state, and the age of its oldest runnable
 /// job: the gauges behind `/metrics`.
 #[derive(Clone, Debug, Default, PartialEq)]

@@ -1506,12 +1506,6 @@ impl Store for PgStore {
         save(&mut tx, &saved).await?;
         tx.commit().await?;
         self.committed(changes);
-        let expired_leases = reclaimed.len() as u64;
-        let expired_deadlines = past.len() as u64;
-        let ended = reclaimed
-            .into_iter()
-            .filter_map(|(attempt, job, event)| Ended::new(attempt, job, event))
-            .collect();
         let expired = past.into_iter().map(|(_, event)| event).collect();
         // Separate, small statement: deleting history must not hold the
         // reaper's row locks longer, nor block claims (it only touches
@@ -1535,13 +1529,7 @@ impl Store for PgStore {
         .fetch_one(&self.pool)
         .await?;
         let deleted = to_u64(deleted, "deleted")?;
-        Ok(Reaped {
-            expired_leases,
-            expired_deadlines,
-            deleted,
-            ended,
-            expired,
-        })
+        Ok(Reaped::new(reclaimed, expired, deleted))
     }
 
     #[tracing::instrument(name = "store.set_paused", skip_all, fields(queue, paused))]

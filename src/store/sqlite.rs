@@ -1161,12 +1161,6 @@ impl Store for SqliteStore {
             expired.push(event);
         }
         self.commit(tx, &changes).await?;
-        let expired_leases = reclaimed.len() as u64;
-        let expired_deadlines = expired.len() as u64;
-        let ended = reclaimed
-            .into_iter()
-            .filter_map(|(attempt, job, event)| Ended::new(attempt, job, event))
-            .collect();
         // Its own short transaction, so the single writer is not held long.
         let mut tx = self.begin().await?;
         let deleted = sqlx::query(
@@ -1182,13 +1176,7 @@ impl Store for SqliteStore {
         .await?
         .rows_affected();
         self.commit(tx, &Changes::default()).await?;
-        Ok(Reaped {
-            expired_leases,
-            expired_deadlines,
-            deleted,
-            ended,
-            expired,
-        })
+        Ok(Reaped::new(reclaimed, expired, deleted))
     }
 
     #[tracing::instrument(name = "store.set_paused", skip_all, fields(queue, paused))]
