@@ -7,7 +7,10 @@
 //! were in flight, groups them by key, runs one store call per group, and
 //! answers each caller only after that call returned, which is after its
 //! COMMIT. There is no timer: an idle server flushes a lone call at once, and
-//! batches grow with load by themselves.
+//! batches grow with load by themselves. Several transactions may run at
+//! once, but a light batch waits for the running one rather than start
+//! beside it ([`Sizing::overlap_weight`]): one statement of both sizes costs
+//! less than two small ones.
 //!
 //! A store error that fails a shared call (a statement refusing one bad
 //! item fails the whole transaction) must not fail its neighbours, so such a
@@ -27,7 +30,7 @@ use std::hash::Hash;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{Notify, Semaphore, mpsc, oneshot};
 
 use crate::store::{StoreError, StoreResult};
 
@@ -60,18 +63,38 @@ struct Pending<F: Flush> {
     reply: oneshot::Sender<StoreResult<F::Answer>>,
 }
 
+/// How a coalescer sizes its shared transactions.
+#[derive(Clone, Copy, Debug)]
+pub struct Sizing {
+    /// Most shared transactions running at once (each takes a database
+    /// connection).
+    pub in_flight: usize,
+    /// A batch stops growing at this weight.
+    pub max_weight: usize,
+    /// A batch lighter than this does not start beside a running
+    /// transaction: it waits for that one to end (taking the calls that
+    /// arrive meanwhile), or until it has grown to this weight. A
+    /// statement's fixed cost dwarfs a few jobs' work, so two small
+    /// statements side by side cost more than one of both sizes; heavy
+    /// batches still overlap, so that the database works on one while this
+    /// process answers the other.
+    pub overlap_weight: usize,
+}
+
 /// Hands calls to the coalescing task of one kind of call.
 pub struct Coalescer<F: Flush> {
     calls: mpsc::UnboundedSender<Pending<F>>,
 }
 
 impl<F: Flush> Coalescer<F> {
-    /// Starts the task. At most `in_flight` shared transactions run at once
-    /// (each takes a database connection), and a batch stops growing at
-    /// `max_weight`.
-    pub fn start(flush: F, in_flight: usize, max_weight: usize) -> Self {
+    /// Starts the task.
+    pub fn start(flush: F, sizing: Sizing) -> Self {
         let (calls, queued) = mpsc::unbounded_channel();
-        tokio::spawn(run(Arc::new(flush), queued, in_flight.max(1), max_weight));
+        let sizing = Sizing {
+            in_flight: sizing.in_flight.max(1),
+            ..sizing
+        };
+        tokio::spawn(run(Arc::new(flush), queued, sizing));
         Coalescer { calls }
     }
 
@@ -92,13 +115,43 @@ fn stopped() -> StoreError {
     StoreError::Internal("the coalescing task stopped".into())
 }
 
+/// A batch being gathered, and the call that did not fit in it.
+struct Gathered<F: Flush> {
+    batch: Vec<Pending<F>>,
+    weight: usize,
+    carried: Option<Pending<F>>,
+}
+
+impl<F: Flush> Gathered<F> {
+    fn new(first: Pending<F>) -> Self {
+        Gathered {
+            weight: F::weight(&first.call),
+            batch: vec![first],
+            carried: None,
+        }
+    }
+
+    /// Adds `next`, or keeps it for the next batch when it would pass
+    /// `max_weight`; false once the batch is full.
+    fn add(&mut self, next: Pending<F>, max_weight: usize) -> bool {
+        let w = F::weight(&next.call);
+        if self.weight + w > max_weight {
+            self.carried = Some(next);
+            return false;
+        }
+        self.weight += w;
+        self.batch.push(next);
+        self.weight < max_weight
+    }
+}
+
 async fn run<F: Flush>(
     flush: Arc<F>,
     mut queued: mpsc::UnboundedReceiver<Pending<F>>,
-    in_flight: usize,
-    max_weight: usize,
+    sizing: Sizing,
 ) {
-    let slots = Arc::new(Semaphore::new(in_flight));
+    let slots = Arc::new(Semaphore::new(sizing.in_flight));
+    let ended = Arc::new(Notify::new());
     let mut carried: Option<Pending<F>> = None;
     loop {
         // A slot first: while every slot is busy, calls keep queuing up and
@@ -113,22 +166,35 @@ async fn run<F: Flush>(
                 None => return,
             },
         };
-        let mut weight = F::weight(&first.call);
-        let mut batch = vec![first];
-        while weight < max_weight {
+        let mut gathered = Gathered::new(first);
+        let mut open = gathered.weight < sizing.max_weight;
+        while open {
             let Ok(next) = queued.try_recv() else { break };
-            let w = F::weight(&next.call);
-            if weight + w > max_weight {
-                carried = Some(next);
-                break;
-            }
-            weight += w;
-            batch.push(next);
+            open = gathered.add(next, sizing.max_weight);
         }
+        // Our own slot is the one not available: any other taken is a
+        // transaction still running.
+        while open
+            && gathered.weight < sizing.overlap_weight
+            && slots.available_permits() + 1 < sizing.in_flight
+        {
+            tokio::select! {
+                next = queued.recv() => match next {
+                    Some(next) => open = gathered.add(next, sizing.max_weight),
+                    None => break,
+                },
+                // Woken for every ended transaction; the loop checks again.
+                () = ended.notified() => {}
+            }
+        }
+        carried = gathered.carried;
+        let batch = gathered.batch;
         let flush = Arc::clone(&flush);
+        let ended = Arc::clone(&ended);
         tokio::spawn(async move {
             run_batch(&*flush, batch).await;
             drop(slot);
+            ended.notify_one();
         });
     }
 }
@@ -233,16 +299,28 @@ fn answer_all<F: Flush>(
 #[cfg(test)]
 mod tests {
     use std::sync::Mutex;
+    use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Duration;
 
     use super::*;
 
-    /// Records each flush and each orphaned answer; a call of `13` fails
-    /// any flush it is in.
+    /// Records each flush, each orphaned answer and the most flushes seen
+    /// running at once; a call of `13` fails any flush it is in, and a
+    /// call of 1000 or more weighs 10.
     #[derive(Default)]
     struct Recorder {
         flushes: Mutex<Vec<Vec<u32>>>,
         orphans: Mutex<Vec<u32>>,
+        running: AtomicUsize,
+        most_running: AtomicUsize,
+    }
+
+    fn sizing(in_flight: usize, max_weight: usize, overlap_weight: usize) -> Sizing {
+        Sizing {
+            in_flight,
+            max_weight,
+            overlap_weight,
+        }
     }
 
     impl Flush for Arc<Recorder> {
@@ -250,13 +328,16 @@ mod tests {
         type Call = u32;
         type Answer = u32;
 
-        fn weight(_: &u32) -> usize {
-            1
+        fn weight(call: &u32) -> usize {
+            if *call >= 1000 { 10 } else { 1 }
         }
 
         fn flush(&self, _key: &'static str, calls: Vec<u32>) -> FlushFuture<'_, u32> {
             Box::pin(async move {
+                let running = self.running.fetch_add(1, Ordering::SeqCst) + 1;
+                self.most_running.fetch_max(running, Ordering::SeqCst);
                 tokio::time::sleep(Duration::from_millis(20)).await;
+                self.running.fetch_sub(1, Ordering::SeqCst);
                 self.flushes
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
@@ -288,7 +369,7 @@ mod tests {
     #[tokio::test]
     async fn concurrent_calls_share_flushes_and_get_their_own_answers() {
         let recorder = Arc::new(Recorder::default());
-        let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), 1, 100));
+        let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), sizing(1, 100, 0)));
         let calls = (100..150u32).map(|i| {
             let coalescer = Arc::clone(&coalescer);
             tokio::spawn(async move { (i, coalescer.call("k", i).await) })
@@ -305,7 +386,7 @@ mod tests {
     #[tokio::test]
     async fn a_failing_call_does_not_fail_its_neighbours() {
         let recorder = Arc::new(Recorder::default());
-        let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), 1, 100));
+        let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), sizing(1, 100, 0)));
         // Occupy the only slot so that the next three queue up together.
         let blocker = spawn_call(&coalescer, 1);
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -327,7 +408,7 @@ mod tests {
     #[tokio::test]
     async fn a_batch_stops_at_its_weight() {
         let recorder = Arc::new(Recorder::default());
-        let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), 1, 3));
+        let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), sizing(1, 3, 0)));
         let calls = (0..10u32).map(|i| spawn_call(&coalescer, i));
         futures::future::join_all(calls).await;
         let flushes = recorder.flushes.lock().expect("lock").clone();
@@ -338,7 +419,7 @@ mod tests {
     #[tokio::test]
     async fn a_caller_gone_before_its_transaction_is_left_out() {
         let recorder = Arc::new(Recorder::default());
-        let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), 1, 100));
+        let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), sizing(1, 100, 0)));
         let blocker = spawn_call(&coalescer, 1);
         tokio::time::sleep(Duration::from_millis(5)).await;
         let gone = spawn_call(&coalescer, 7);
@@ -355,12 +436,59 @@ mod tests {
     #[tokio::test]
     async fn an_answer_whose_caller_left_during_the_transaction_is_orphaned() {
         let recorder = Arc::new(Recorder::default());
-        let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), 1, 100));
+        let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), sizing(1, 100, 0)));
         let gone = spawn_call(&coalescer, 9);
         tokio::time::sleep(Duration::from_millis(5)).await;
         gone.abort();
         tokio::time::sleep(Duration::from_millis(40)).await;
         assert_eq!(*recorder.flushes.lock().expect("lock"), vec![vec![9]]);
         assert_eq!(*recorder.orphans.lock().expect("lock"), vec![90]);
+    }
+
+    #[tokio::test]
+    async fn light_calls_wait_for_the_running_transaction_instead_of_overlapping_it() {
+        let recorder = Arc::new(Recorder::default());
+        let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), sizing(2, 100, 10)));
+        let blocker = spawn_call(&coalescer, 1);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let first = spawn_call(&coalescer, 2);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let second = spawn_call(&coalescer, 3);
+        assert_eq!(blocker.await.expect("joined").expect("answered"), 10);
+        assert_eq!(first.await.expect("joined").expect("answered"), 20);
+        assert_eq!(second.await.expect("joined").expect("answered"), 30);
+        let flushes = recorder.flushes.lock().expect("lock").clone();
+        assert_eq!(flushes, vec![vec![1], vec![2, 3]]);
+        assert_eq!(recorder.most_running.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn heavy_calls_run_beside_the_running_transaction() {
+        let recorder = Arc::new(Recorder::default());
+        let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), sizing(2, 100, 10)));
+        let blocker = spawn_call(&coalescer, 1);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let heavy = spawn_call(&coalescer, 1000);
+        assert_eq!(blocker.await.expect("joined").expect("answered"), 10);
+        assert_eq!(heavy.await.expect("joined").expect("answered"), 10_000);
+        assert_eq!(recorder.most_running.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn light_calls_overlap_once_they_add_up_to_the_overlap_weight() {
+        let recorder = Arc::new(Recorder::default());
+        let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), sizing(2, 100, 3)));
+        let blocker = spawn_call(&coalescer, 1);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let mut calls = Vec::new();
+        for i in [2u32, 3, 4] {
+            calls.push(spawn_call(&coalescer, i));
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        futures::future::join_all(calls).await;
+        assert_eq!(blocker.await.expect("joined").expect("answered"), 10);
+        let flushes = recorder.flushes.lock().expect("lock").clone();
+        assert_eq!(flushes, vec![vec![1], vec![2, 3, 4]]);
+        assert_eq!(recorder.most_running.load(Ordering::SeqCst), 2);
     }
 }
