@@ -66,7 +66,8 @@ pub struct ServeArgs {
     /// Shared transactions that each of the Lease and Complete coalescers
     /// may run at once. Concurrent unary calls queue up behind them and go
     /// into the next shared transaction; 1 gives the largest batches, more
-    /// overlaps commits. Each takes a pool connection.
+    /// overlaps commits (only for batches of 32 jobs or more: a smaller one
+    /// waits for the running transaction). Each takes a pool connection.
     #[arg(long, env = "INTRAY_COALESCE_IN_FLIGHT", default_value_t = 2,
           value_parser = clap::value_parser!(u16).range(1..=64))]
     pub coalesce_in_flight: u16,
