@@ -366,6 +366,27 @@ mod tests {
         tokio::spawn(async move { coalescer.call("k", call).await })
     }
 
+    type Blocked = (
+        Arc<Recorder>,
+        Arc<Coalescer<Arc<Recorder>>>,
+        tokio::task::JoinHandle<StoreResult<u32>>,
+    );
+
+    /// A coalescer whose first transaction (of the call `1`) has started
+    /// and runs on for about 15 ms: calls made now meet it running.
+    async fn blocked(sizing: Sizing) -> Blocked {
+        let recorder = Arc::new(Recorder::default());
+        let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), sizing));
+        let blocker = spawn_call(&coalescer, 1);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        (recorder, coalescer, blocker)
+    }
+
+    /// The answer a caller got, which must be a success.
+    async fn answer(call: tokio::task::JoinHandle<StoreResult<u32>>) -> u32 {
+        call.await.expect("joined").expect("answered")
+    }
+
     #[tokio::test]
     async fn concurrent_calls_share_flushes_and_get_their_own_answers() {
         let recorder = Arc::new(Recorder::default());
@@ -385,14 +406,11 @@ mod tests {
 
     #[tokio::test]
     async fn a_failing_call_does_not_fail_its_neighbours() {
-        let recorder = Arc::new(Recorder::default());
-        let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), sizing(1, 100, 0)));
         // Occupy the only slot so that the next three queue up together.
-        let blocker = spawn_call(&coalescer, 1);
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        let (recorder, coalescer, blocker) = blocked(sizing(1, 100, 0)).await;
         let calls = [12u32, 13, 14].map(|i| spawn_call(&coalescer, i));
         let answers = futures::future::join_all(calls).await;
-        assert_eq!(blocker.await.expect("joined").expect("answered"), 10);
+        assert_eq!(answer(blocker).await, 10);
         let answers: Vec<_> = answers
             .into_iter()
             .map(|a| a.expect("joined").ok())
@@ -418,16 +436,13 @@ mod tests {
 
     #[tokio::test]
     async fn a_caller_gone_before_its_transaction_is_left_out() {
-        let recorder = Arc::new(Recorder::default());
-        let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), sizing(1, 100, 0)));
-        let blocker = spawn_call(&coalescer, 1);
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        let (recorder, coalescer, blocker) = blocked(sizing(1, 100, 0)).await;
         let gone = spawn_call(&coalescer, 7);
         let stays = spawn_call(&coalescer, 8);
         tokio::time::sleep(Duration::from_millis(2)).await;
         gone.abort();
-        assert_eq!(blocker.await.expect("joined").expect("answered"), 10);
-        assert_eq!(stays.await.expect("joined").expect("answered"), 80);
+        assert_eq!(answer(blocker).await, 10);
+        assert_eq!(answer(stays).await, 80);
         let flushes = recorder.flushes.lock().expect("lock").clone();
         assert_eq!(flushes, vec![vec![1], vec![8]]);
         assert!(recorder.orphans.lock().expect("lock").is_empty());
@@ -447,16 +462,13 @@ mod tests {
 
     #[tokio::test]
     async fn light_calls_wait_for_the_running_transaction_instead_of_overlapping_it() {
-        let recorder = Arc::new(Recorder::default());
-        let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), sizing(2, 100, 10)));
-        let blocker = spawn_call(&coalescer, 1);
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        let (recorder, coalescer, blocker) = blocked(sizing(2, 100, 10)).await;
         let first = spawn_call(&coalescer, 2);
         tokio::time::sleep(Duration::from_millis(5)).await;
         let second = spawn_call(&coalescer, 3);
-        assert_eq!(blocker.await.expect("joined").expect("answered"), 10);
-        assert_eq!(first.await.expect("joined").expect("answered"), 20);
-        assert_eq!(second.await.expect("joined").expect("answered"), 30);
+        assert_eq!(answer(blocker).await, 10);
+        assert_eq!(answer(first).await, 20);
+        assert_eq!(answer(second).await, 30);
         let flushes = recorder.flushes.lock().expect("lock").clone();
         assert_eq!(flushes, vec![vec![1], vec![2, 3]]);
         assert_eq!(recorder.most_running.load(Ordering::SeqCst), 1);
@@ -464,29 +476,23 @@ mod tests {
 
     #[tokio::test]
     async fn heavy_calls_run_beside_the_running_transaction() {
-        let recorder = Arc::new(Recorder::default());
-        let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), sizing(2, 100, 10)));
-        let blocker = spawn_call(&coalescer, 1);
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        let (recorder, coalescer, blocker) = blocked(sizing(2, 100, 10)).await;
         let heavy = spawn_call(&coalescer, 1000);
-        assert_eq!(blocker.await.expect("joined").expect("answered"), 10);
-        assert_eq!(heavy.await.expect("joined").expect("answered"), 10_000);
+        assert_eq!(answer(blocker).await, 10);
+        assert_eq!(answer(heavy).await, 10_000);
         assert_eq!(recorder.most_running.load(Ordering::SeqCst), 2);
     }
 
     #[tokio::test]
     async fn light_calls_overlap_once_they_add_up_to_the_overlap_weight() {
-        let recorder = Arc::new(Recorder::default());
-        let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), sizing(2, 100, 3)));
-        let blocker = spawn_call(&coalescer, 1);
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        let (recorder, coalescer, blocker) = blocked(sizing(2, 100, 3)).await;
         let mut calls = Vec::new();
         for i in [2u32, 3, 4] {
             calls.push(spawn_call(&coalescer, i));
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
         futures::future::join_all(calls).await;
-        assert_eq!(blocker.await.expect("joined").expect("answered"), 10);
+        assert_eq!(answer(blocker).await, 10);
         let flushes = recorder.flushes.lock().expect("lock").clone();
         assert_eq!(flushes, vec![vec![1], vec![2, 3, 4]]);
         assert_eq!(recorder.most_running.load(Ordering::SeqCst), 2);
