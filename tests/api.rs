@@ -47,6 +47,13 @@ common::backend_tests!(
     coalesced_neighbours_are_independent,
 );
 
+mod postgres_only {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn complete_keeps_a_change_made_after_its_read() {
+        super::complete_keeps_a_change_made_after_its_read().await
+    }
+}
+
 const LONG: Duration = Duration::from_secs(10);
 
 // ---------------------------------------------------------------------------
@@ -2545,5 +2552,87 @@ async fn coalesced_neighbours_are_independent(backend: Backend) {
             );
         }
     }
+    server.stop().await;
+}
+
+/// PostgreSQL's `Complete` reads the job without a lock and writes it only if
+/// the row is unchanged. Here the row changes between the two (progress set
+/// behind the server's back, as a heartbeat would, without an event): the
+/// write must see it and redo the outcome on the new row rather than write
+/// over it with what it read.
+async fn complete_keeps_a_change_made_after_its_read() {
+    use sqlx::{Connection, Row};
+    let server = TestServer::start(Backend::Postgres).await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+    let job = submit(&mut jobs, "race", "k", json!({})).await;
+    let leased = lease_one(&mut workers, "w", "race").await;
+    let url = server.settings.database_url.clone();
+    let mut holder = sqlx::PgConnection::connect(&url).await.expect("connect");
+    let mut watcher = sqlx::PgConnection::connect(&url).await.expect("connect");
+    let id = uuid::Uuid::parse_str(&job.id).expect("a UUID");
+
+    // Holding the row lock lets Complete's read through and stops its write.
+    let mut tx = holder.begin().await.expect("BEGIN");
+    sqlx::query("SELECT 1 FROM jobs WHERE id = $1 FOR UPDATE")
+        .bind(id)
+        .execute(&mut *tx)
+        .await
+        .expect("lock the row");
+    let mut completer = workers.clone();
+    let call = leased.clone();
+    let completing =
+        tokio::spawn(async move { completer.complete(success_req(&call, json!("r"))).await });
+    let deadline = Instant::now() + LONG;
+    loop {
+        let waiting: i64 = sqlx::query(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&mut watcher)
+        .await
+        .expect("pg_stat_activity")
+        .get(0);
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "Complete never waited for the row"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    sqlx::query("UPDATE jobs SET progress = 0.5 WHERE id = $1")
+        .bind(id)
+        .execute(&mut *tx)
+        .await
+        .expect("change the row");
+    tx.commit().await.expect("COMMIT");
+
+    let done = completing
+        .await
+        .expect("joined")
+        .expect("Complete succeeds on the changed row")
+        .into_inner();
+    let done = done.job.expect("CompleteResponse.job is set");
+    assert_eq!(state(&done), St::Succeeded);
+    let stored = get(&mut jobs, &job.id).await;
+    assert_eq!(state(&stored), St::Succeeded);
+    assert_eq!(
+        stored.progress, 0.5,
+        "the change made after the read is kept"
+    );
+    let events = watch_all_until_now(&mut jobs, &job.id).await;
+    let sequences: Vec<u64> = events.iter().map(|e| e.sequence).collect();
+    let expected: Vec<u64> = (1..=events.len() as u64).collect();
+    assert_eq!(sequences, expected, "one gap-free history");
+    assert_eq!(
+        events
+            .iter()
+            .filter(|e| e.r#type() == Ev::Succeeded)
+            .count(),
+        1,
+        "one outcome recorded"
+    );
     server.stop().await;
 }

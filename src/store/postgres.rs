@@ -315,6 +315,61 @@ const SUBMIT_HANDING: &str = submit_statement!(
                 )"
 );
 
+/// The jobs a batch of outcomes ends, by id only (with a tenant predicate a
+/// planner on stale statistics scans the tenant's whole index instead of the
+/// primary key; another tenant's job is dropped after the read, as if
+/// missing), with the database's time, each row's version and whether a
+/// circuit breaker exists for its queue and kind.
+macro_rules! complete_read {
+    () => {
+        "SELECT *, now() AS db_now, xmin::text AS row_version,
+            EXISTS (SELECT 1 FROM breakers b WHERE b.tenant = jobs.tenant
+                    AND b.queue = jobs.queue AND b.kind = jobs.kind) AS has_breaker
+         FROM jobs WHERE id = ANY($1) ORDER BY id"
+    };
+}
+
+/// What [`complete_read!`] found of one tenant's jobs.
+struct CompleteRead {
+    jobs: HashMap<Uuid, Job>,
+    /// Each job's row version as read (`xmin`).
+    versions: HashMap<Uuid, String>,
+    /// The database's time.
+    now: DateTime<Utc>,
+    /// Whether a breaker exists for one of the jobs' queues and kinds.
+    has_breaker: bool,
+}
+
+impl CompleteRead {
+    fn from_rows(rows: &[PgRow], tenant: &str) -> StoreResult<CompleteRead> {
+        let mut read = CompleteRead {
+            jobs: HashMap::with_capacity(rows.len()),
+            versions: HashMap::with_capacity(rows.len()),
+            now: Utc::now(),
+            has_breaker: false,
+        };
+        for row in rows {
+            read.now = row.try_get("db_now")?;
+            let job = job_from_row(row)?;
+            if job.tenant == tenant {
+                read.has_breaker |= row.try_get::<bool, _>("has_breaker")?;
+                read.versions.insert(job.id, row.try_get("row_version")?);
+                read.jobs.insert(job.id, job);
+            }
+        }
+        Ok(read)
+    }
+}
+
+/// The jobs and events of the outcomes that ended an attempt, for [`save`].
+fn ended_pairs(results: &[StoreResult<Ended>]) -> Vec<(&Job, &JobEvent)> {
+    results
+        .iter()
+        .flatten()
+        .map(|ended| (&ended.job, &ended.event))
+        .collect()
+}
+
 /// Loads a job with its row lock and the database's time.
 async fn load_for_update(
     conn: &mut PgConnection,
@@ -332,13 +387,39 @@ async fn load_for_update(
 }
 
 /// Writes jobs after domain transitions together with their events, all in
-/// one statement. (`j.id = ANY($1)` beside the join gives the planner the
-/// primary-key path even when its statistics say the table is tiny.) The `event_seq` guard turns a lost update into an error
+/// one statement. The `event_seq` guard turns a lost update into an error
 /// rather than a silent overwrite (the row locks make it unreachable in
 /// practice); each job may appear once.
 async fn save(conn: &mut PgConnection, saved: &[(&Job, &JobEvent)]) -> StoreResult<()> {
+    let written = write_jobs(conn, saved, &vec![None; saved.len()]).await?;
+    if written.len() != saved.len() {
+        return Err(StoreError::Internal("job changed concurrently".into()));
+    }
+    Ok(())
+}
+
+/// Like [`save`], for jobs read without a lock: a job is written only if its
+/// row is still the version that was read (`xmin`, as text). Returns the ids
+/// written; the others changed in between and are left as they are.
+async fn save_unchanged(
+    conn: &mut PgConnection,
+    saved: &[(&Job, &JobEvent)],
+    versions: &[Option<&str>],
+) -> StoreResult<Vec<Uuid>> {
+    write_jobs(conn, saved, versions).await
+}
+
+/// The statement behind [`save`] and [`save_unchanged`]; `versions` holds
+/// `None` where the row is locked. (`j.id = ANY($1)` beside the join gives
+/// the planner the primary-key path even when its statistics say the table
+/// is tiny.)
+async fn write_jobs(
+    conn: &mut PgConnection,
+    saved: &[(&Job, &JobEvent)],
+    versions: &[Option<&str>],
+) -> StoreResult<Vec<Uuid>> {
     if saved.is_empty() {
-        return Ok(());
+        return Ok(Vec::new());
     }
     let n = saved.len();
     let mut ids = Vec::with_capacity(n);
@@ -391,11 +472,11 @@ async fn save(conn: &mut PgConnection, saved: &[(&Job, &JobEvent)]) -> StoreResu
                 $6::int4[], $7::float8[], $8::bool[], $9::timestamptz[], $10::int8[], $11::text[],
                 $12::text[], $13::timestamptz[], $14::timestamptz[], $15::timestamptz[],
                 $16::timestamptz[], $17::timestamptz[], $18::int8[], $19::text[], $20::text[],
-                $21::jsonb[])
+                $21::jsonb[], $22::text[])
               AS i(id, state, result, error_class, error_message, attempt, progress,
                    cancel_requested, cancel_requested_at, cost_cents, lease_owner, lease_token,
                    lease_expires_at, run_at, deadline, updated_at, finished_at, event_seq,
-                   event_type, worker_id, detail)
+                   event_type, worker_id, detail, row_version)
          ), upd AS (
             UPDATE jobs j SET state = i.state, result = i.result, error_class = i.error_class,
                 error_message = i.error_message, attempt = i.attempt, progress = i.progress,
@@ -405,12 +486,14 @@ async fn save(conn: &mut PgConnection, saved: &[(&Job, &JobEvent)]) -> StoreResu
                 updated_at = i.updated_at, finished_at = i.finished_at, event_seq = i.event_seq
             FROM input i
             WHERE j.id = ANY($1) AND j.id = i.id AND j.event_seq = i.event_seq - 1
+              AND (i.row_version IS NULL OR j.xmin::text = i.row_version)
             RETURNING j.id
          )
          INSERT INTO job_events (job_id, sequence, type, state, attempt, worker_id, at, detail)
          SELECT i.id, i.event_seq, i.event_type, i.state, i.attempt, i.worker_id, i.updated_at,
                 i.detail
-         FROM input i JOIN upd ON upd.id = i.id",
+         FROM input i JOIN upd ON upd.id = i.id
+         RETURNING job_id",
     )
     .bind(&ids)
     .bind(&states)
@@ -433,12 +516,12 @@ async fn save(conn: &mut PgConnection, saved: &[(&Job, &JobEvent)]) -> StoreResu
     .bind(&types)
     .bind(&workers)
     .bind(&details)
-    .execute(&mut *conn)
+    .bind(versions)
+    .fetch_all(&mut *conn)
     .await?;
-    if done.rows_affected() != n as u64 {
-        return Err(StoreError::Internal("job changed concurrently".into()));
-    }
-    Ok(())
+    done.iter()
+        .map(|row| row.try_get("job_id").map_err(StoreError::from))
+        .collect()
 }
 
 /// The circuit breakers a batch of outcomes counts against, locked for the
@@ -514,6 +597,11 @@ impl Breakers {
                 entry.1 = true;
             }
         }
+    }
+
+    /// Whether the outcomes changed a breaker.
+    fn changed(&self) -> bool {
+        self.rows.values().any(|(_, changed)| *changed)
     }
 
     /// Writes the breakers the batch changed (rare: failures, and the first
@@ -659,6 +747,176 @@ impl PgStore {
             listener_stop,
             unreadable: Unreadable::default(),
         })
+    }
+
+    /// `Complete` in one transaction that locks the jobs' rows (and, when
+    /// an outcome counts against a circuit breaker, the breakers' rows).
+    async fn complete_locked(
+        &self,
+        tenant: &str,
+        items: Vec<CompleteSpec>,
+    ) -> StoreResult<Vec<StoreResult<Ended>>> {
+        let ids: Vec<Uuid> = items.iter().map(|item| item.job_id).collect();
+        // A generic plan: left to choose, PostgreSQL planned the locking read
+        // again for 80 % of the calls and the save for 35 %, and that
+        // planning took longer than running them (pg_stat_statements with
+        // track_planning, e2e: 1.4 s of 3.2 s). Both statements only ever
+        // take the primary key.
+        let mut tx = self.planned.begin().await?;
+        // Locked in id order, so concurrent batches cannot deadlock.
+        let rows = sqlx::query(concat!(complete_read!(), " FOR UPDATE"))
+            .bind(&ids)
+            .fetch_all(&mut *tx)
+            .await?;
+        let mut read = CompleteRead::from_rows(&rows, tenant)?;
+        let failures = items
+            .iter()
+            .any(|item| breaker::failure_of(&item.outcome).is_some());
+        let mut breakers = if self.breaker.threshold > 0 && (failures || read.has_breaker) {
+            Breakers::load(&mut tx, tenant, read.jobs.values()).await?
+        } else {
+            Breakers::default()
+        };
+        let results = self.apply_outcomes(&mut read, items, &mut breakers);
+        save(&mut tx, &ended_pairs(&results)).await?;
+        breakers.write(&mut tx, tenant).await?;
+        tx.commit().await?;
+        let mut changes = Changes::default();
+        for ended in results.iter().flatten() {
+            changes.job_event(&ended.job, &ended.event);
+        }
+        self.committed(changes);
+        Ok(results)
+    }
+
+    /// `Complete` in two round trips instead of the four of
+    /// [`Self::complete_locked`] (`BEGIN`, read, write, `COMMIT`): the rows
+    /// are read without a lock and written by one autocommitted statement
+    /// that skips every row changed since the read. Those jobs go through
+    /// [`Self::complete_locked`], as does the whole batch when an outcome
+    /// would change a circuit breaker, since breakers are written in the
+    /// outcome's transaction. An error found in the read (a stale lease
+    /// token, a job already ended) stands: leases only move away from a
+    /// token once it has been handed out.
+    async fn complete_unlocked(
+        &self,
+        tenant: &str,
+        items: Vec<CompleteSpec>,
+    ) -> StoreResult<Vec<StoreResult<Ended>>> {
+        let ids: Vec<Uuid> = items.iter().map(|item| item.job_id).collect();
+        let mut conn = self.planned.acquire().await?;
+        let rows = sqlx::query(complete_read!())
+            .bind(&ids)
+            .fetch_all(&mut *conn)
+            .await?;
+        let mut read = CompleteRead::from_rows(&rows, tenant)?;
+        if self.breaker.threshold > 0 && read.has_breaker {
+            drop(conn);
+            return self.complete_locked(tenant, items).await;
+        }
+        // Kept for the jobs that change under the write; cheap beside a commit.
+        let spare = items.clone();
+        let mut breakers = Breakers::default();
+        let mut results = self.apply_outcomes(&mut read, items, &mut breakers);
+        if breakers.changed() {
+            drop(conn);
+            return self.complete_locked(tenant, spare).await;
+        }
+        let saved = ended_pairs(&results);
+        let versions: Vec<Option<&str>> = saved
+            .iter()
+            .map(|(job, _)| read.versions.get(&job.id).map(String::as_str))
+            .collect();
+        let written: HashSet<Uuid> = save_unchanged(&mut conn, &saved, &versions)
+            .await?
+            .into_iter()
+            .collect();
+        drop(conn);
+        let mut changes = Changes::default();
+        let mut redo = Vec::new();
+        for (index, result) in results.iter().enumerate() {
+            if let Ok(ended) = result {
+                if written.contains(&ended.job.id) {
+                    changes.job_event(&ended.job, &ended.event);
+                } else {
+                    redo.push(index);
+                }
+            }
+        }
+        self.committed(changes);
+        if redo.is_empty() {
+            return Ok(results);
+        }
+        tracing::debug!(
+            jobs = redo.len(),
+            "jobs changed between Complete's read and write; redone under lock"
+        );
+        let again: Vec<CompleteSpec> = redo.iter().map(|&i| spare[i].clone()).collect();
+        // The others have committed: a failure here is only these items'.
+        match self.complete_locked(tenant, again).await {
+            Ok(redone) => {
+                for (index, result) in redo.into_iter().zip(redone) {
+                    results[index] = result;
+                }
+            }
+            Err(err) => {
+                for index in redo {
+                    results[index] = Err(err.clone());
+                }
+            }
+        }
+        Ok(results)
+    }
+
+    /// Applies each outcome to its job in call order, counting it against
+    /// `breakers`; one result per item. A job ended earlier in the batch
+    /// answers a second outcome with `LeaseLost`.
+    fn apply_outcomes(
+        &self,
+        read: &mut CompleteRead,
+        items: Vec<CompleteSpec>,
+        breakers: &mut Breakers,
+    ) -> Vec<StoreResult<Ended>> {
+        let now = read.now;
+        let mut ended_ids = HashSet::new();
+        let mut results = Vec::with_capacity(items.len());
+        for item in items {
+            let Some(mut job) = read.jobs.remove(&item.job_id) else {
+                results.push(Err(if ended_ids.contains(&item.job_id) {
+                    StoreError::LeaseLost
+                } else {
+                    StoreError::NotFound
+                }));
+                continue;
+            };
+            let attempt = job.running_attempt();
+            let failure = breaker::failure_of(&item.outcome);
+            match transition::complete(
+                &mut job,
+                &item.lease_token,
+                item.outcome,
+                item.cost_cents,
+                now,
+                rand::random::<f64>(),
+            ) {
+                Ok(event) => {
+                    if self.breaker.threshold > 0 {
+                        breakers.outcome(&job, failure.as_ref(), now, &self.breaker);
+                    }
+                    ended_ids.insert(job.id);
+                    // A successful complete always ended a running attempt.
+                    results.push(
+                        Ended::new(attempt, job, event)
+                            .ok_or_else(|| StoreError::Internal("no running attempt".into())),
+                    );
+                }
+                Err(err) => {
+                    read.jobs.insert(job.id, job);
+                    results.push(Err(err.into()));
+                }
+            }
+        }
+        results
     }
 
     /// After a commit: wakes this replica's waiters at once and queues the
@@ -1363,98 +1621,13 @@ impl Store for PgStore {
         tenant: &str,
         items: Vec<CompleteSpec>,
     ) -> StoreResult<Vec<StoreResult<Ended>>> {
-        let ids: Vec<Uuid> = items.iter().map(|item| item.job_id).collect();
-        // A generic plan: left to choose, PostgreSQL planned the locking read
-        // again for 80 % of the calls and the save for 35 %, and that
-        // planning took longer than running them (pg_stat_statements with
-        // track_planning, e2e: 1.4 s of 3.2 s). Both statements only ever
-        // take the primary key.
-        let mut tx = self.planned.begin().await?;
-        // Locked in id order, so concurrent batches cannot deadlock. By id
-        // only: with a tenant predicate a planner on stale statistics (a
-        // young table) scans the tenant's whole index instead of the primary
-        // key; another tenant's job is dropped below, as if missing.
-        let rows = sqlx::query(
-            "SELECT *, now() AS db_now,
-                EXISTS (SELECT 1 FROM breakers b WHERE b.tenant = jobs.tenant
-                        AND b.queue = jobs.queue AND b.kind = jobs.kind) AS has_breaker
-             FROM jobs WHERE id = ANY($1) ORDER BY id FOR UPDATE",
-        )
-        .bind(&ids)
-        .fetch_all(&mut *tx)
-        .await?;
-        let mut now = Utc::now();
-        let mut has_breaker = false;
-        let mut jobs: HashMap<Uuid, Job> = HashMap::with_capacity(rows.len());
-        for row in &rows {
-            now = row.try_get("db_now")?;
-            let job = job_from_row(row)?;
-            if job.tenant == tenant {
-                has_breaker |= row.try_get::<bool, _>("has_breaker")?;
-                jobs.insert(job.id, job);
-            }
-        }
         let failures = items
             .iter()
             .any(|item| breaker::failure_of(&item.outcome).is_some());
-        let mut breakers = if self.breaker.threshold > 0 && (failures || has_breaker) {
-            Breakers::load(&mut tx, tenant, jobs.values()).await?
-        } else {
-            Breakers::default()
-        };
-        let mut ended_ids = HashSet::new();
-        let mut results = Vec::with_capacity(items.len());
-        for item in items {
-            let Some(mut job) = jobs.remove(&item.job_id) else {
-                // A second outcome for a job this batch already ended.
-                results.push(Err(if ended_ids.contains(&item.job_id) {
-                    StoreError::LeaseLost
-                } else {
-                    StoreError::NotFound
-                }));
-                continue;
-            };
-            let attempt = job.running_attempt();
-            let failure = breaker::failure_of(&item.outcome);
-            match transition::complete(
-                &mut job,
-                &item.lease_token,
-                item.outcome,
-                item.cost_cents,
-                now,
-                rand::random::<f64>(),
-            ) {
-                Ok(event) => {
-                    if self.breaker.threshold > 0 {
-                        breakers.outcome(&job, failure.as_ref(), now, &self.breaker);
-                    }
-                    ended_ids.insert(job.id);
-                    // A successful complete always ended a running attempt.
-                    results.push(
-                        Ended::new(attempt, job, event)
-                            .ok_or_else(|| StoreError::Internal("no running attempt".into())),
-                    );
-                }
-                Err(err) => {
-                    jobs.insert(job.id, job);
-                    results.push(Err(err.into()));
-                }
-            }
+        if self.breaker.threshold > 0 && failures {
+            return self.complete_locked(tenant, items).await;
         }
-        let saved: Vec<(&Job, &JobEvent)> = results
-            .iter()
-            .flatten()
-            .map(|ended| (&ended.job, &ended.event))
-            .collect();
-        save(&mut tx, &saved).await?;
-        breakers.write(&mut tx, tenant).await?;
-        tx.commit().await?;
-        let mut changes = Changes::default();
-        for ended in results.iter().flatten() {
-            changes.job_event(&ended.job, &ended.event);
-        }
-        self.committed(changes);
-        Ok(results)
+        self.complete_unlocked(tenant, items).await
     }
 
     #[tracing::instrument(name = "store.reap", skip_all)]
