@@ -404,9 +404,10 @@ async fn save(conn: &mut PgConnection, saved: &[(&Job, &JobEvent)]) -> StoreResu
 async fn save_unchanged(
     conn: &mut PgConnection,
     saved: &[(&Job, &JobEvent)],
-    versions: &[Option<&str>],
+    versions: &[&str],
 ) -> StoreResult<Vec<Uuid>> {
-    write_jobs(conn, saved, versions).await
+    let versions: Vec<Option<&str>> = versions.iter().copied().map(Some).collect();
+    write_jobs(conn, saved, &versions).await
 }
 
 /// The statement behind [`save`] and [`save_unchanged`]; `versions` holds
@@ -823,10 +824,17 @@ impl PgStore {
             return self.complete_locked(tenant, spare).await;
         }
         let saved = ended_pairs(&results);
-        let versions: Vec<Option<&str>> = saved
+        // Every job saved was read with its version; a missing one would
+        // write without the guard, so it fails the batch instead.
+        let versions = saved
             .iter()
-            .map(|(job, _)| read.versions.get(&job.id).map(String::as_str))
-            .collect();
+            .map(|(job, _)| {
+                read.versions
+                    .get(&job.id)
+                    .map(String::as_str)
+                    .ok_or_else(|| StoreError::Internal("a job read without its version".into()))
+            })
+            .collect::<StoreResult<Vec<_>>>()?;
         let written: HashSet<Uuid> = save_unchanged(&mut conn, &saved, &versions)
             .await?
             .into_iter()
