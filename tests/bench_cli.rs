@@ -20,7 +20,8 @@ const BACKLOG: u64 = 1500;
 const BACKLOG_JOBS: u64 = 20;
 const WATCHERS: u64 = 25;
 
-async fn bench(database_url: &str, log: &Path) -> Vec<Value> {
+/// The JSON lines of a run, and its progress output (stderr).
+async fn bench(database_url: &str, log: &Path) -> (Vec<Value>, String) {
     let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_intray"))
         .args(["bench", "--json", "--spawn", "--database-url", database_url])
         .args(["--server-log", &log.display().to_string()])
@@ -40,24 +41,40 @@ async fn bench(database_url: &str, log: &Path) -> Vec<Value> {
             "10",
         ])
         .args(["--warmup", &WARMUP.to_string()])
+        // Long enough to run the settling step, short enough not to wait
+        // for a busy test machine to calm down.
+        .args(["--settle", "1ms"])
         .output()
         .await
         .expect("run intray bench");
     let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     assert!(
         output.status.success(),
-        "intray bench failed: {}\nstdout:\n{stdout}\nstderr:\n{}\nserver log:\n{}",
+        "intray bench failed: {}\nstdout:\n{stdout}\nstderr:\n{stderr}\nserver log:\n{}",
         output.status,
-        String::from_utf8_lossy(&output.stderr),
         std::fs::read_to_string(log).unwrap_or_default()
     );
-    stdout
+    let reports = stdout
         .lines()
         .map(|line| {
             serde_json::from_str(line)
                 .unwrap_or_else(|e| panic!("--json prints only JSON lines: {e}: {line:?}"))
         })
-        .collect()
+        .collect();
+    (reports, stderr)
+}
+
+/// Before each of the eight scenarios, and before each backlog size's e2e
+/// and its dispatch part, the run took the machine's CPU share (settled, or
+/// gave up waiting); on PostgreSQL after a CHECKPOINT that went through.
+fn check_settled(stderr: &str) {
+    let sampled = stderr
+        .lines()
+        .filter(|l| l.starts_with("bench: settle: CPU"))
+        .count();
+    assert_eq!(sampled, 8 + 2 * 2, "{stderr}");
+    assert!(!stderr.contains("no CHECKPOINT"), "{stderr}");
 }
 
 fn lines<'a>(reports: &'a [Value], scenario: &str) -> Vec<&'a Value> {
@@ -201,8 +218,9 @@ fn check(reports: &[Value], backend: &str) {
 async fn bench_on_sqlite() {
     let dir = tempfile::tempdir().expect("temporary directory");
     let url = format!("sqlite://{}", dir.path().join("bench.db").display());
-    let reports = bench(&url, &dir.path().join("server.log")).await;
+    let (reports, stderr) = bench(&url, &dir.path().join("server.log")).await;
     check(&reports, "sqlite");
+    check_settled(&stderr);
 }
 
 #[tokio::test]
@@ -218,7 +236,7 @@ async fn bench_on_a_fresh_postgres_database() {
     };
     let dir = tempfile::tempdir().expect("temporary directory");
     // The bench creates the database itself (dropping it first).
-    let reports = bench(&url, &dir.path().join("server.log")).await;
+    let (reports, stderr) = bench(&url, &dir.path().join("server.log")).await;
     let mut conn = sqlx::PgConnection::connect(&admin)
         .await
         .expect("connect to drop the bench database");
@@ -229,4 +247,5 @@ async fn bench_on_a_fresh_postgres_database() {
     .await
     .expect("drop the bench database");
     check(&reports, "postgres");
+    check_settled(&stderr);
 }

@@ -135,6 +135,14 @@ pub struct BenchArgs {
     #[arg(long, value_name = "N", default_value_t = 10_000)]
     pub backlog_jobs: u64,
 
+    /// Before each scenario, and before each backlog size's e2e and
+    /// dispatch parts: a CHECKPOINT (on PostgreSQL), then a wait of at most
+    /// this long for this machine's CPU to fall under 25 % busy, so that
+    /// what the work before left behind (a million rows to vacuum, WAL to
+    /// write) is not measured. 0s skips both.
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = duration)]
+    pub settle: Duration,
+
     /// Concurrent WatchJob streams, one per job.
     #[arg(long, value_name = "N", default_value_t = 10_000)]
     pub watchers: u64,
@@ -196,6 +204,7 @@ impl BenchArgs {
             dispatch_spacing: self.dispatch_spacing,
             backlog_size: self.backlog_size,
             backlog_jobs: self.backlog_jobs,
+            settle: self.settle,
             watchers: self.watchers,
             watchers_per_channel: self.watchers_per_channel,
             warmup: self.warmup,

@@ -18,10 +18,12 @@ use super::super::stats::{Summary, rate, summarize};
 use super::dispatch::Dispatch;
 use super::load::{prefill, progress};
 use super::pipeline::Pipeline;
+use super::settle::Settle;
 
 /// What the output says was done, so a reader knows what the figure means.
 pub const ARRANGEMENT: &str = "backlog jobs QUEUED in the measured queue with priority -1 and \
-     run_at now+24h (not runnable, never claimed); measured jobs priority 0, due now";
+     run_at now+24h (not runnable, never claimed); measured jobs priority 0, due now; \
+     a CHECKPOINT and a wait for the CPU to settle before each size's e2e and dispatch parts";
 
 /// The figures at one backlog size.
 #[derive(Debug)]
@@ -46,6 +48,10 @@ pub struct Plan {
     pub warmup: u64,
     /// The dispatch part.
     pub dispatch: Dispatch,
+    /// Run before each size's e2e and dispatch parts, so that the work the
+    /// backlog's growth left behind (WAL to write, a million rows to vacuum)
+    /// is not measured as the large backlog's cost.
+    pub settle: Settle,
 }
 
 /// Grows the backlog of `plan`'s queue to each of `sizes` in turn (ascending)
@@ -67,10 +73,12 @@ pub async fn run(
             prefill(conn, queue, size - queued, -1, Some(later.into())).await?;
             queued = size;
         }
+        plan.settle.wait().await;
         if plan.warmup > 0 {
             plan.pipeline.run(conn, plan.warmup).await?;
         }
         let e2e = plan.pipeline.run(conn, plan.e2e_jobs).await?;
+        plan.settle.wait().await;
         let dispatch = plan.dispatch.run(conn).await?;
         at_size(AtSize {
             backlog: size,

@@ -5,6 +5,7 @@ mod backlog;
 mod dispatch;
 mod load;
 mod pipeline;
+mod settle;
 mod submit;
 mod timed;
 mod transport;
@@ -18,6 +19,7 @@ use serde_json::Value;
 use self::dispatch::Dispatch;
 use self::load::{prefill, progress, succeeded};
 use self::pipeline::Pipeline;
+use self::settle::Settle;
 use super::conn::Conn;
 use super::error::BenchError;
 use super::report::Report;
@@ -73,6 +75,9 @@ pub struct Sizes {
     pub backlog_size: u64,
     /// Measured e2e jobs at each backlog size.
     pub backlog_jobs: u64,
+    /// Longest wait for the machine to settle before each scenario and each
+    /// backlog part; zero skips settling.
+    pub settle: Duration,
     /// Concurrent WatchJob streams.
     pub watchers: u64,
     /// Streams per HTTP/2 connection.
@@ -111,6 +116,16 @@ impl Ctx {
         self.database_url.as_deref().and_then(Backend::of)
     }
 
+    fn settle(&self) -> Settle {
+        Settle {
+            checkpoint_url: match self.backend() {
+                Some(Backend::Postgres) => self.database_url.clone(),
+                _ => None,
+            },
+            give_up: self.sizes.settle,
+        }
+    }
+
     fn dispatch_warmup(&self) -> u64 {
         self.sizes.warmup.min(100)
     }
@@ -143,6 +158,9 @@ pub async fn run(
     emit: &mut dyn FnMut(Report) -> Result<(), BenchError>,
 ) -> Result<(), BenchError> {
     let s = &ctx.sizes;
+    // What the scenario before left to the database (dead rows to vacuum,
+    // WAL to write) is not this one's cost.
+    ctx.settle().wait().await;
     match scenario {
         Scenario::Submit => {
             let queue = ctx.queue("submit");
@@ -260,6 +278,7 @@ pub async fn run(
                     spacing: s.dispatch_spacing,
                     priority: 0,
                 },
+                settle: ctx.settle(),
             };
             let sizes = [SMALL_BACKLOG, s.backlog_size.max(SMALL_BACKLOG)];
             let mut first: Option<backlog::AtSize> = None;
