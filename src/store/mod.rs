@@ -7,6 +7,7 @@ mod changes;
 mod error;
 pub mod outbox;
 mod pg_counts;
+mod pg_hot;
 pub mod postgres;
 pub mod sqlite;
 mod unreadable;

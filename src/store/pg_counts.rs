@@ -8,13 +8,14 @@
 //! thousand: it touches a row per queue and state, and the deltas written
 //! since the last fold.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sqlx::PgPool;
 use sqlx::Row;
 
 use super::StoreResult;
+use super::pg_hot::HotPool;
 use crate::domain::JobState;
 
 /// Key of the advisory lock that lets one fold run at a time across
@@ -30,7 +31,7 @@ const VACUUM_EVERY: Duration = Duration::from_secs(10);
 pub struct Counts {
     pool: PgPool,
     /// The store's connections with the claim's planner settings.
-    planned: PgPool,
+    planned: Arc<HotPool>,
     vacuumed: Mutex<Option<Instant>>,
 }
 
@@ -49,7 +50,7 @@ pub struct Count {
 
 impl Counts {
     /// Counts on `pool`'s database; `planned` runs the claim-index probes.
-    pub fn new(pool: PgPool, planned: PgPool) -> Self {
+    pub fn new(pool: PgPool, planned: Arc<HotPool>) -> Self {
         Counts {
             pool,
             planned,
@@ -188,7 +189,9 @@ impl Counts {
         // job of the queue (a second at a million) instead of reading the
         // claim index in order: the claim's settings, those of the `planned`
         // pool's sessions, rule that out.
-        let rows = query.fetch_all(&self.planned).await?;
+        let mut conn = self.planned.acquire().await?;
+        let rows = query.fetch_all(&mut *conn).await?;
+        conn.finish();
         rows.iter()
             .map(|row| {
                 let age: i64 = row.try_get("age_ms")?;

@@ -15,13 +15,14 @@ use chrono::{DateTime, Utc};
 use serde_json::Value;
 use sqlx::postgres::{PgListener, PgPool, PgPoolOptions, PgRow};
 use sqlx::types::Json;
-use sqlx::{Executor, PgConnection, Row};
+use sqlx::{Connection, PgConnection, Row};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::changes::{CHANNEL, Changes, wake_everything, wake_from_payload};
 use super::pg_counts::Counts;
+use super::pg_hot::HotPool;
 use super::unreadable::Unreadable;
 use super::{
     Ended, QueueDepth, QueueStatsBuilder, Reaped, Retried, RunningCaps, Stats, Store, StoreError,
@@ -61,8 +62,9 @@ const PLANNER_SETTINGS: &str = "SET plan_cache_mode = force_generic_plan; \
 pub struct PgStore {
     pool: PgPool,
     /// Connections with [`PLANNER_SETTINGS`], for the hot path's statements
-    /// only: other statements keep PostgreSQL's own planning.
-    planned: PgPool,
+    /// only: other statements keep PostgreSQL's own planning. Outside sqlx's
+    /// pool, so that they go back without a ping (see `pg_hot`).
+    planned: Arc<HotPool>,
     notifier: Arc<Notifier>,
     caps: RunningCaps,
     breaker: BreakerPolicy,
@@ -694,10 +696,10 @@ fn pool_options(size: u32) -> PgPoolOptions {
         .max_connections(size)
         .acquire_timeout(Duration::from_secs(5))
         // sqlx pings every connection it hands out (and again when it takes
-        // it back): a round trip before each hot-path transaction. A
-        // connection that died is found by its first statement instead,
-        // which fails UNAVAILABLE like any outage (callers retry) and is
-        // then closed by the pool's release ping.
+        // it back): a round trip before each transaction. A connection that
+        // died is found by its first statement instead, which fails
+        // UNAVAILABLE like any outage (callers retry) and is then closed by
+        // the pool's release ping.
         .test_before_acquire(false)
 }
 
@@ -712,12 +714,11 @@ impl PgStore {
         let pool = pool_options(settings.max_connections.saturating_sub(planned_size).max(2))
             .connect(&settings.database_url)
             .await?;
-        let planned = pool_options(planned_size)
-            .after_connect(|conn, _| {
-                Box::pin(async move { conn.execute(PLANNER_SETTINGS).await.map(|_| ()) })
-            })
-            .connect(&settings.database_url)
-            .await?;
+        let planned = Arc::new(HotPool::new(
+            &settings.database_url,
+            planned_size,
+            PLANNER_SETTINGS,
+        )?);
         MIGRATOR.run(&pool).await?;
         let listener_stop = CancellationToken::new();
         let mut listener = PgListener::connect_with(&pool).await?;
@@ -738,7 +739,7 @@ impl PgStore {
             listener_stop.clone(),
         ));
         Ok(PgStore {
-            counts: Counts::new(pool.clone(), planned.clone()),
+            counts: Counts::new(pool.clone(), Arc::clone(&planned)),
             pool,
             planned,
             notifier,
@@ -763,7 +764,8 @@ impl PgStore {
         // planning took longer than running them (pg_stat_statements with
         // track_planning, e2e: 1.4 s of 3.2 s). Both statements only ever
         // take the primary key.
-        let mut tx = self.planned.begin().await?;
+        let mut conn = self.planned.acquire().await?;
+        let mut tx = conn.begin().await?;
         // Locked in id order, so concurrent batches cannot deadlock.
         let rows = sqlx::query(concat!(complete_read!(), " FOR UPDATE"))
             .bind(&ids)
@@ -782,6 +784,7 @@ impl PgStore {
         save(&mut tx, &ended_pairs(&results)).await?;
         breakers.write(&mut tx, tenant).await?;
         tx.commit().await?;
+        conn.finish();
         let mut changes = Changes::default();
         for ended in results.iter().flatten() {
             changes.job_event(&ended.job, &ended.event);
@@ -812,7 +815,7 @@ impl PgStore {
             .await?;
         let mut read = CompleteRead::from_rows(&rows, tenant)?;
         if self.breaker.threshold > 0 && read.has_breaker {
-            drop(conn);
+            conn.finish();
             return self.complete_locked(tenant, items).await;
         }
         // Kept for the jobs that change under the write; cheap beside a commit.
@@ -820,7 +823,7 @@ impl PgStore {
         let mut breakers = Breakers::default();
         let mut results = self.apply_outcomes(&mut read, items, &mut breakers);
         if breakers.changed() {
-            drop(conn);
+            conn.finish();
             return self.complete_locked(tenant, spare).await;
         }
         let saved = ended_pairs(&results);
@@ -839,7 +842,7 @@ impl PgStore {
             .await?
             .into_iter()
             .collect();
-        drop(conn);
+        conn.finish();
         let mut changes = Changes::default();
         let mut redo = Vec::new();
         for (index, result) in results.iter().enumerate() {
@@ -1046,14 +1049,22 @@ impl Store for PgStore {
             .bind(column(|j| j.trace_parent.as_deref()))
             .bind(&handoff_workers)
             .bind(&handoff_lease_ms);
-        // A submit that hands off runs on the planned pool: PostgreSQL kept
-        // planning the hand-off's guard afresh (0.6 ms, twice what running
-        // it costs), and as for the claim, a plan made on stale statistics
-        // must not sort: it sorted a million queued jobs per probe
-        // (350-400 ms) where the claim index gives them in order
-        // (0.5-1.8 ms). A plain submit has no guard to plan.
-        let pool = if hands_off { &self.planned } else { &self.pool };
-        let rows = query.fetch_all(pool).await?;
+        // A submit that hands off runs on the planned connections:
+        // PostgreSQL kept planning the hand-off's guard afresh (0.6 ms,
+        // twice what running it costs), and as for the claim, a plan made on
+        // stale statistics must not sort: it sorted a million queued jobs
+        // per probe (350-400 ms) where the claim index gives them in order
+        // (0.5-1.8 ms). A plain submit has no guard to plan; on those
+        // connections, without sqlx's release ping, it ran 7 % slower at 16
+        // in flight (docs/performance-log.md, "Changes of 2026-12-05").
+        let rows = if hands_off {
+            let mut conn = self.planned.acquire().await?;
+            let rows = query.fetch_all(&mut *conn).await?;
+            conn.finish();
+            rows
+        } else {
+            query.fetch_all(&self.pool).await?
+        };
         let mut created: HashMap<Uuid, Job> = HashMap::with_capacity(rows.len());
         for row in &rows {
             let job = job_from_row(row)?;
@@ -1371,6 +1382,7 @@ impl Store for PgStore {
         // tenant that is priority order. A candidate that would lift its
         // tenant above the queue's cap is skipped. A lease never outlives
         // the deadline.
+        let mut conn = self.planned.acquire().await?;
         let rows = sqlx::query(
             "WITH RECURSIVE seen(tenant) AS (
                 SELECT (SELECT tenant FROM jobs WHERE state = 'queued' AND $1::text IS NULL
@@ -1522,8 +1534,9 @@ impl Store for PgStore {
         .bind(&self.caps.caps)
         .bind(self.caps.default)
         .bind(spec.all_tenants || self.caps.any())
-        .fetch_all(&self.planned)
+        .fetch_all(&mut *conn)
         .await?;
+        conn.finish();
         // The claim is committed already: a row that cannot be read stays
         // leased to nobody (see `unreadable`), and the others are answered.
         let jobs = self
