@@ -4,7 +4,7 @@
 //! say (`return_to_pool` in sqlx-core 0.9): one more round trip after every
 //! claim, `Complete` and hand-off, which woke a PostgreSQL backend about as
 //! often as the statements themselves did. Taken back without it, e2e ran
-//! 4.5 % faster (docs/performance-log.md, "Changes of 2026-12-05"). What the
+//! 4 % faster (docs/performance-log.md, "Changes of 2026-12-05"). What the
 //! ping guards against, a connection left in the middle of a statement or a
 //! transaction by a future that was dropped, is kept out here another way: a
 //! connection goes back only when its user says that its work ended
