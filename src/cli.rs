@@ -57,8 +57,9 @@ pub struct ServeArgs {
     pub database: DatabaseArgs,
 
     /// PostgreSQL connections per replica (at least 3): half for the hot
-    /// path (claims, hand-offs, completions), the rest for everything else,
-    /// one of which listens for the other replicas' notifications.
+    /// path (claims, hand-offs, completions, notifications to the other
+    /// replicas), the rest for everything else, one of which listens for
+    /// the other replicas' notifications.
     #[arg(long, env = "INTRAY_MAX_CONNECTIONS", default_value_t = 16,
           value_parser = clap::value_parser!(u32).range(3..))]
     pub max_connections: u32,
