@@ -35,9 +35,9 @@ pub struct Settle {
 impl Settle {
     /// CHECKPOINTs the database, if any, then waits until the CPU is under
     /// [`CALM_PERCENT`] busy over one sample ([`SAMPLE`], or `give_up` when
-    /// shorter), at most `give_up`. Where
-    /// neither can be done (no permission, no `/proc/stat`) it says so and
-    /// goes on: settling makes figures steadier, it is not what they measure.
+    /// shorter), at most `give_up`. Where either cannot be done (no
+    /// permission, no `/proc/stat`) it says so and goes on: settling makes
+    /// figures steadier, it is not what they measure.
     pub async fn wait(&self) {
         if self.give_up.is_zero() {
             return;
@@ -51,6 +51,7 @@ impl Settle {
         let started = Instant::now();
         loop {
             let Some(busy) = busy_percent(sample).await else {
+                progress("settle: no /proc/stat to read the CPU from; going on");
                 return;
             };
             if busy < CALM_PERCENT {
