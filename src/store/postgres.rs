@@ -343,6 +343,19 @@ struct CompleteRead {
 }
 
 impl CompleteRead {
+    /// Runs `statement` ([`complete_read!`], with or without its lock) for
+    /// the jobs of `items`.
+    async fn load(
+        conn: &mut PgConnection,
+        statement: &'static str,
+        items: &[CompleteSpec],
+        tenant: &str,
+    ) -> StoreResult<CompleteRead> {
+        let ids: Vec<Uuid> = items.iter().map(|item| item.job_id).collect();
+        let rows = sqlx::query(statement).bind(&ids).fetch_all(conn).await?;
+        CompleteRead::from_rows(&rows, tenant)
+    }
+
     fn from_rows(rows: &[PgRow], tenant: &str) -> StoreResult<CompleteRead> {
         let mut read = CompleteRead {
             jobs: HashMap::with_capacity(rows.len()),
@@ -780,7 +793,6 @@ impl PgStore {
         tenant: &str,
         items: Vec<CompleteSpec>,
     ) -> StoreResult<Vec<StoreResult<Ended>>> {
-        let ids: Vec<Uuid> = items.iter().map(|item| item.job_id).collect();
         // A generic plan: left to choose, PostgreSQL planned the locking read
         // again for 80 % of the calls and the save for 35 %, and that
         // planning took longer than running them (pg_stat_statements with
@@ -789,11 +801,8 @@ impl PgStore {
         let mut conn = self.planned.acquire().await?;
         let mut tx = conn.begin().await?;
         // Locked in id order, so concurrent batches cannot deadlock.
-        let rows = sqlx::query(concat!(complete_read!(), " FOR UPDATE"))
-            .bind(&ids)
-            .fetch_all(&mut *tx)
-            .await?;
-        let mut read = CompleteRead::from_rows(&rows, tenant)?;
+        let locking = concat!(complete_read!(), " FOR UPDATE");
+        let mut read = CompleteRead::load(&mut tx, locking, &items, tenant).await?;
         let failures = items
             .iter()
             .any(|item| breaker::failure_of(&item.outcome).is_some());
@@ -829,13 +838,8 @@ impl PgStore {
         tenant: &str,
         items: Vec<CompleteSpec>,
     ) -> StoreResult<Vec<StoreResult<Ended>>> {
-        let ids: Vec<Uuid> = items.iter().map(|item| item.job_id).collect();
         let mut conn = self.planned.acquire().await?;
-        let rows = sqlx::query(complete_read!())
-            .bind(&ids)
-            .fetch_all(&mut *conn)
-            .await?;
-        let mut read = CompleteRead::from_rows(&rows, tenant)?;
+        let mut read = CompleteRead::load(&mut conn, complete_read!(), &items, tenant).await?;
         if self.breaker.threshold > 0 && read.has_breaker {
             conn.finish();
             return self.complete_locked(tenant, items).await;
