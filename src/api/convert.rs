@@ -1,4 +1,6 @@
-//! Conversions between proto messages and domain types.
+//! Conversions between proto messages and domain types. Public so that
+//! `benches/hot_path.rs` can measure them; nothing outside the API layer
+//! calls them otherwise.
 
 use std::time::Duration;
 
@@ -16,6 +18,7 @@ use crate::telemetry::TraceParent;
 
 type Result<T> = std::result::Result<T, ValidationError>;
 
+/// A time as a protobuf `Timestamp`.
 pub fn timestamp(t: DateTime<Utc>) -> pbjson_types::Timestamp {
     pbjson_types::Timestamp {
         seconds: t.timestamp(),
@@ -28,6 +31,8 @@ fn opt_timestamp(t: Option<DateTime<Utc>>) -> Option<pbjson_types::Timestamp> {
     t.map(timestamp)
 }
 
+/// A protobuf `Timestamp` as a time; `field` names it in the error for an
+/// out-of-range one.
 pub fn from_timestamp(
     field: &str,
     t: Option<pbjson_types::Timestamp>,
@@ -42,6 +47,7 @@ pub fn from_timestamp(
         .ok_or_else(|| ValidationError::new(field, "is not a valid time"))
 }
 
+/// A duration as a protobuf `Duration`.
 pub fn duration(d: Duration) -> pbjson_types::Duration {
     pbjson_types::Duration {
         seconds: i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
@@ -50,6 +56,7 @@ pub fn duration(d: Duration) -> pbjson_types::Duration {
     }
 }
 
+/// A protobuf `Duration` as a duration; negative ones are refused.
 pub fn from_duration(field: &str, d: Option<pbjson_types::Duration>) -> Result<Option<Duration>> {
     let Some(d) = d else { return Ok(None) };
     if d.seconds < 0 || d.nanos < 0 || d.nanos >= 1_000_000_000 {
@@ -74,6 +81,7 @@ pub fn from_value(field: &str, v: Option<pbjson_types::Value>) -> Result<Value> 
     }
 }
 
+/// JSON as a protobuf `Value` (`None` only for what `Value` cannot hold).
 pub fn value(v: &Value) -> Option<pbjson_types::Value> {
     serde_json::from_value(v.clone()).ok()
 }
@@ -84,6 +92,7 @@ fn detail_struct(v: &Option<Value>) -> Option<pbjson_types::Struct> {
         .and_then(|v| serde_json::from_value(v.clone()).ok())
 }
 
+/// A job state as its proto enum.
 pub fn state(s: JobState) -> pb::JobState {
     match s {
         JobState::Queued => pb::JobState::Queued,
@@ -95,6 +104,7 @@ pub fn state(s: JobState) -> pb::JobState {
     }
 }
 
+/// Proto job states as the domain's; unknown or unspecified ones are refused.
 pub fn from_states(field: &str, states: &[i32]) -> Result<Vec<JobState>> {
     states
         .iter()
@@ -129,6 +139,7 @@ fn event_type(t: EventType) -> pb::JobEventType {
     }
 }
 
+/// A job as `GetJob` and `ListJobs` show it.
 pub fn job(j: &Job) -> pb::Job {
     pb::Job {
         id: j.id.to_string(),
@@ -172,6 +183,7 @@ pub fn job(j: &Job) -> pb::Job {
     }
 }
 
+/// A claimed job as `Lease` hands it to a worker.
 pub fn leased_job(j: &Job) -> pb::LeasedJob {
     pb::LeasedJob {
         job_id: j.id.to_string(),
@@ -195,6 +207,7 @@ pub fn leased_job(j: &Job) -> pb::LeasedJob {
     }
 }
 
+/// An event as `WatchJob` and `GetJob` show it.
 pub fn event(e: &JobEvent) -> pb::JobEvent {
     pb::JobEvent {
         job_id: e.job_id.to_string(),
@@ -208,6 +221,7 @@ pub fn event(e: &JobEvent) -> pb::JobEvent {
     }
 }
 
+/// A `Submit` as the domain's input, before validation.
 pub fn submit_input(r: pb::SubmitRequest) -> Result<SubmitInput> {
     let backoff = r.backoff.unwrap_or_default();
     Ok(SubmitInput {
@@ -227,6 +241,7 @@ pub fn submit_input(r: pb::SubmitRequest) -> Result<SubmitInput> {
     })
 }
 
+/// A `Lease` as the domain's input, before validation.
 pub fn lease_input(r: pb::LeaseRequest) -> Result<LeaseInput> {
     Ok(LeaseInput {
         lease_duration: from_duration("lease_duration", r.lease_duration)?,
@@ -239,6 +254,7 @@ pub fn lease_input(r: pb::LeaseRequest) -> Result<LeaseInput> {
     })
 }
 
+/// A `Heartbeat` as the domain's input, before validation.
 pub fn heartbeat_input(r: pb::HeartbeatRequest) -> Result<HeartbeatInput> {
     Ok(HeartbeatInput {
         extend_by: from_duration("extend_by", r.extend_by)?,
@@ -249,6 +265,7 @@ pub fn heartbeat_input(r: pb::HeartbeatRequest) -> Result<HeartbeatInput> {
     })
 }
 
+/// A `Complete`'s outcome as the domain's input, before validation.
 pub fn outcome_input(o: Option<pb::complete_request::Outcome>) -> Result<Option<OutcomeInput>> {
     use pb::complete_request::Outcome;
     Ok(match o {
@@ -265,6 +282,7 @@ pub fn outcome_input(o: Option<pb::complete_request::Outcome>) -> Result<Option<
     })
 }
 
+/// A `ListJobs` as the domain's input, before validation.
 pub fn list_input(r: pb::ListJobsRequest) -> Result<ListInput> {
     Ok(ListInput {
         states: from_states("states", &r.states)?,
@@ -318,6 +336,7 @@ fn worker(w: &WorkerSeen) -> pb::WorkerInfo {
     }
 }
 
+/// Queue and worker statistics as `Stats` answers them.
 pub fn stats(s: &Stats) -> pb::StatsResponse {
     pb::StatsResponse {
         queues: s.queues.iter().map(queue_stats).collect(),

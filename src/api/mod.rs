@@ -1,9 +1,9 @@
 //! The gRPC face: tonic services, conversions between proto and domain
 //! types, and the one mapping from errors to `tonic::Status`. Proto types do
-//! not leave this module.
+//! not leave this module (`convert` is public for the micro-benchmarks).
 
 mod backpressure;
-mod convert;
+pub mod convert;
 mod jobs;
 mod status;
 mod tenant;
