@@ -317,6 +317,192 @@ const SUBMIT_HANDING: &str = submit_statement!(
                 )"
 );
 
+/// The claim, with what each candidate carries besides its job (`$loads`)
+/// and the choice of candidates in slot order (`$picked`) spliced in: the
+/// general choice ([`CLAIM`]) and one for a single tenant without caps
+/// ([`CLAIM_ONE_TENANT`]) share every other line.
+///
+/// Tenants: the caller's, or every tenant with queued jobs, found by a
+/// skip scan over the claim index (one probe per tenant). Per tenant and
+/// queue the claim index gives the best candidates in order. A lease never
+/// outlives the deadline.
+macro_rules! claim_statement {
+    ($loads:literal, $picked:literal) => {
+        concat!(
+            "WITH RECURSIVE seen(tenant) AS (
+                SELECT (SELECT tenant FROM jobs WHERE state = 'queued' AND $1::text IS NULL
+                        ORDER BY tenant LIMIT 1)
+                UNION ALL
+                SELECT (SELECT j.tenant FROM jobs j WHERE j.state = 'queued' AND j.tenant > s.tenant
+                        ORDER BY j.tenant LIMIT 1)
+                FROM seen s WHERE s.tenant IS NOT NULL
+             ), tenants AS (
+                SELECT tenant FROM seen WHERE tenant IS NOT NULL
+                UNION ALL
+                SELECT $1::text WHERE $1::text IS NOT NULL
+             ), running AS (
+                -- Counted only when caps or fairness need it ($10): the scan
+                -- walks every running row, and dead ones until vacuum.
+                SELECT tenant, queue, count(*) AS n FROM jobs
+                WHERE $10 AND state = 'running' AND ($1::text IS NULL OR tenant = $1)
+                GROUP BY tenant, queue
+             ), candidates AS (
+                SELECT c.id, c.priority, c.run_at, c.kind, c.half_open, q.name AS queue", $loads, "
+                FROM tenants t
+                CROSS JOIN unnest($2::text[]) AS q(name)
+                -- Whether the queue has any breaker, once: most have none,
+                -- and then no job needs the two checks of its kind's.
+                CROSS JOIN LATERAL (
+                    SELECT EXISTS (SELECT 1 FROM breakers b
+                                   WHERE b.tenant = t.tenant AND b.queue = q.name) AS any
+                ) qb
+                CROSS JOIN LATERAL (
+                    -- A skip scan over the queue's priority levels (one index
+                    -- probe each), then per level a range scan that stops at
+                    -- the first job not yet due. One scan in (priority,
+                    -- run_at) order would step over every job scheduled for
+                    -- later at a higher level, so an empty claim would cost
+                    -- as much as that backlog (100 ms at a million).
+                    -- The levels are found from the lowest up, each probe a
+                    -- backward scan that lands on its level's newest entry:
+                    -- a level's oldest entries are where claims take jobs,
+                    -- and until vacuum they are pages of dead entries that a
+                    -- forward probe steps through (in psql during e2e:
+                    -- 0.9-5 ms forward, 0.05 ms backward).
+                    WITH RECURSIVE levels(priority) AS (
+                        SELECT (SELECT priority FROM jobs
+                                WHERE tenant = t.tenant AND queue = q.name AND state = 'queued'
+                                ORDER BY priority LIMIT 1)
+                        UNION ALL
+                        SELECT (SELECT j.priority FROM jobs j
+                                WHERE j.tenant = t.tenant AND j.queue = q.name AND j.state = 'queued'
+                                  AND j.priority > l.priority
+                                ORDER BY j.priority LIMIT 1)
+                        FROM levels l WHERE l.priority IS NOT NULL
+                    )
+                    SELECT due.* FROM levels l
+                    CROSS JOIN LATERAL (
+                        SELECT id, priority, run_at, kind,
+                            qb.any AND EXISTS (
+                                SELECT 1 FROM breakers b
+                                WHERE b.tenant = t.tenant AND b.queue = q.name AND b.kind = jobs.kind
+                                  AND b.open_until IS NOT NULL) AS half_open
+                        FROM jobs
+                        WHERE tenant = t.tenant AND queue = q.name AND state = 'queued'
+                          AND priority = l.priority AND run_at <= now()
+                          AND (cardinality($3::text[]) = 0 OR kind = ANY($3))
+                          AND (deadline IS NULL OR deadline > now())
+                          AND (NOT qb.any OR NOT EXISTS (
+                              SELECT 1 FROM breakers b
+                              WHERE b.tenant = t.tenant AND b.queue = q.name AND b.kind = jobs.kind
+                                AND (b.open_until > now()
+                                     OR EXISTS (SELECT 1 FROM jobs p
+                                                WHERE p.id = b.probe_job AND p.state = 'running'))
+                          ))
+                        ORDER BY run_at, id
+                        LIMIT $4
+                        FOR UPDATE SKIP LOCKED
+                    ) due
+                    WHERE l.priority IS NOT NULL
+                    ORDER BY due.priority DESC, due.run_at, due.id
+                    LIMIT $4
+                ) c
+                WHERE NOT EXISTS (
+                    SELECT 1 FROM paused_queues p WHERE p.tenant = t.tenant AND p.queue = q.name
+                )
+             ), picked AS (", $picked, "
+             ), slots AS (
+                SELECT jsonb_object_agg(id::text, slot) AS of FROM picked
+             ), upd AS (
+                -- Jobs are found by the id array alone and each finds its
+                -- slot in a map, not by a join to picked: a generic plan of
+                -- that join either scanned all of jobs (when made on a young
+                -- table) or probed the primary key once per job with the
+                -- whole array as a second key, which PostgreSQL sorted again
+                -- for every probe (12 % of all CPU in burn-down).
+                UPDATE jobs j SET state = 'running', attempt = j.attempt + 1,
+                    lease_owner = ($5::text[])[(slots.of ->> j.id::text)::int],
+                    lease_token = gen_random_uuid()::text,
+                    lease_expires_at = LEAST(
+                        now() + ($6::int8[])[(slots.of ->> j.id::text)::int] * interval '1 millisecond',
+                        COALESCE(j.deadline, 'infinity'::timestamptz)),
+                    started_at = COALESCE(j.started_at, now()),
+                    leased_at = now(),
+                    updated_at = GREATEST(j.updated_at, now()),
+                    progress = 0,
+                    event_seq = j.event_seq + 1
+                FROM slots
+                WHERE j.id = ANY(ARRAY(SELECT id FROM picked))
+                RETURNING j.*, (slots.of ->> j.id::text)::int8 AS slot
+             ), ev AS (
+                INSERT INTO job_events (job_id, sequence, type, state, attempt, worker_id, at)
+                SELECT id, event_seq, 'leased', 'running', attempt, lease_owner, updated_at FROM upd
+             ), probes AS (
+                -- A job leased from a half-open breaker is its probe. Only
+                -- a candidate flagged half_open can be one, so without such
+                -- a candidate no leased job needs its breaker looked up.
+                UPDATE breakers b SET probe_job = u.id, updated_at = now()
+                FROM upd u
+                WHERE EXISTS (SELECT 1 FROM candidates WHERE half_open)
+                  AND b.tenant = u.tenant AND b.queue = u.queue AND b.kind = u.kind
+                  AND b.open_until <= now()
+                  AND (b.probe_job IS NULL
+                       OR NOT EXISTS (SELECT 1 FROM jobs p WHERE p.id = b.probe_job AND p.state = 'running'))
+             )
+             SELECT * FROM upd"
+        )
+    };
+}
+
+/// [`claim_statement`] for any claim. Each candidate's load is its
+/// tenant's running jobs plus its rank, so tenants far below their share
+/// go first and interleave; within a tenant that is priority order. A
+/// candidate that would lift its tenant above the queue's cap is skipped,
+/// and of a half-open breaker's kind only the best candidate is taken (its
+/// probe).
+const CLAIM: &str = claim_statement!(
+    ",
+                    t.tenant || '/' || q.name AS tenant_load_key,
+                    COALESCE((SELECT sum(r.n) FROM running r WHERE r.tenant = t.tenant), 0)
+                      + row_number() OVER (PARTITION BY t.tenant
+                                           ORDER BY c.priority DESC, c.run_at, c.id) AS tenant_load,
+                    COALESCE((SELECT r.n FROM running r WHERE r.tenant = t.tenant AND r.queue = q.name), 0)
+                      + row_number() OVER (PARTITION BY t.tenant, q.name
+                                           ORDER BY c.priority DESC, c.run_at, c.id) AS queue_load,
+                    COALESCE((SELECT o.cap FROM unnest($7::text[], $8::bigint[]) AS o(queue, cap)
+                              WHERE o.queue = q.name), $9) AS cap",
+    "
+                SELECT id, row_number() OVER (ORDER BY tenant_load, priority DESC, run_at, id) AS slot
+                FROM (
+                    SELECT *, row_number() OVER (PARTITION BY tenant_load_key, kind
+                                                 ORDER BY priority DESC, run_at, id) AS kind_rank
+                    FROM candidates
+                ) ranked
+                WHERE queue_load <= cap AND (NOT half_open OR kind_rank = 1)
+                ORDER BY tenant_load, priority DESC, run_at, id
+                LIMIT $4"
+);
+
+/// [`claim_statement`] for one tenant's claim when no cap is set: what
+/// [`CLAIM`] picks then, without its loads and windows. With one tenant the
+/// load order is priority order, and with no cap nothing is skipped but a
+/// half-open breaker's candidates after the best of each kind. At a
+/// burn-down's 700 jobs the windows and their sorts were a fifth of the
+/// claim (docs/performance-log.md, "Changes of 2026-12-05, morning").
+const CLAIM_ONE_TENANT: &str = claim_statement!(
+    "",
+    "
+                SELECT id, row_number() OVER (ORDER BY priority DESC, run_at, id) AS slot
+                FROM (
+                    SELECT * FROM candidates WHERE NOT half_open
+                    UNION ALL
+                    (SELECT DISTINCT ON (queue, kind) * FROM candidates WHERE half_open
+                     ORDER BY queue, kind, priority DESC, run_at, id)
+                ) eligible
+                ORDER BY priority DESC, run_at, id
+                LIMIT $4"
+);
+
 /// The jobs a batch of outcomes ends, by id only (with a tenant predicate a
 /// planner on stale statistics scans the tenant's whole index instead of the
 /// primary key; another tenant's job is dropped after the read, as if
@@ -1393,175 +1579,30 @@ impl Store for PgStore {
         // once and kept, often while the table is still young, so its row
         // estimates are not to be trusted: without sequential scans or
         // avoidable sorts it takes the index paths that stay cheap at any
-        // table size (the level probes below read the claim index in order
+        // table size (the level probes of `claim_statement` read the claim index in order
         // instead of sorting every queued row). Those settings price the
         // plans they avoid so high that the estimate passes JIT's threshold,
         // and compiling the statement took a second: no JIT. Those are the
         // settings of the `planned` pool's sessions, so the claim runs
         // autocommitted, in one round trip.
         let only_tenant = (!spec.all_tenants).then_some(tenant);
-        // Tenants: the caller's, or every tenant with queued jobs, found by a
-        // skip scan over the claim index (one probe per tenant). Per tenant
-        // and queue the claim index gives the best candidates in order. Each
-        // candidate's load is its tenant's running jobs plus its rank, so
-        // tenants far below their share go first and interleave; within a
-        // tenant that is priority order. A candidate that would lift its
-        // tenant above the queue's cap is skipped. A lease never outlives
-        // the deadline.
+        // Loads are counted only across tenants or under caps ($10).
+        let counted = spec.all_tenants || self.caps.any();
+        let statement = if counted { CLAIM } else { CLAIM_ONE_TENANT };
         let mut conn = self.planned.acquire().await?;
-        let rows = sqlx::query(
-            "WITH RECURSIVE seen(tenant) AS (
-                SELECT (SELECT tenant FROM jobs WHERE state = 'queued' AND $1::text IS NULL
-                        ORDER BY tenant LIMIT 1)
-                UNION ALL
-                SELECT (SELECT j.tenant FROM jobs j WHERE j.state = 'queued' AND j.tenant > s.tenant
-                        ORDER BY j.tenant LIMIT 1)
-                FROM seen s WHERE s.tenant IS NOT NULL
-             ), tenants AS (
-                SELECT tenant FROM seen WHERE tenant IS NOT NULL
-                UNION ALL
-                SELECT $1::text WHERE $1::text IS NOT NULL
-             ), running AS (
-                -- Counted only when caps or fairness need it ($10): the scan
-                -- walks every running row, and dead ones until vacuum.
-                SELECT tenant, queue, count(*) AS n FROM jobs
-                WHERE $10 AND state = 'running' AND ($1::text IS NULL OR tenant = $1)
-                GROUP BY tenant, queue
-             ), candidates AS (
-                SELECT c.id, c.priority, c.run_at, c.kind, c.half_open,
-                    t.tenant || '/' || q.name AS tenant_load_key,
-                    COALESCE((SELECT sum(r.n) FROM running r WHERE r.tenant = t.tenant), 0)
-                      + row_number() OVER (PARTITION BY t.tenant
-                                           ORDER BY c.priority DESC, c.run_at, c.id) AS tenant_load,
-                    COALESCE((SELECT r.n FROM running r WHERE r.tenant = t.tenant AND r.queue = q.name), 0)
-                      + row_number() OVER (PARTITION BY t.tenant, q.name
-                                           ORDER BY c.priority DESC, c.run_at, c.id) AS queue_load,
-                    COALESCE((SELECT o.cap FROM unnest($7::text[], $8::bigint[]) AS o(queue, cap)
-                              WHERE o.queue = q.name), $9) AS cap
-                FROM tenants t
-                CROSS JOIN unnest($2::text[]) AS q(name)
-                -- Whether the queue has any breaker, once: most have none,
-                -- and then no job needs the two checks of its kind's.
-                CROSS JOIN LATERAL (
-                    SELECT EXISTS (SELECT 1 FROM breakers b
-                                   WHERE b.tenant = t.tenant AND b.queue = q.name) AS any
-                ) qb
-                CROSS JOIN LATERAL (
-                    -- A skip scan over the queue's priority levels (one index
-                    -- probe each), then per level a range scan that stops at
-                    -- the first job not yet due. One scan in (priority,
-                    -- run_at) order would step over every job scheduled for
-                    -- later at a higher level, so an empty claim would cost
-                    -- as much as that backlog (100 ms at a million).
-                    -- The levels are found from the lowest up, each probe a
-                    -- backward scan that lands on its level's newest entry:
-                    -- a level's oldest entries are where claims take jobs,
-                    -- and until vacuum they are pages of dead entries that a
-                    -- forward probe steps through (in psql during e2e:
-                    -- 0.9-5 ms forward, 0.05 ms backward).
-                    WITH RECURSIVE levels(priority) AS (
-                        SELECT (SELECT priority FROM jobs
-                                WHERE tenant = t.tenant AND queue = q.name AND state = 'queued'
-                                ORDER BY priority LIMIT 1)
-                        UNION ALL
-                        SELECT (SELECT j.priority FROM jobs j
-                                WHERE j.tenant = t.tenant AND j.queue = q.name AND j.state = 'queued'
-                                  AND j.priority > l.priority
-                                ORDER BY j.priority LIMIT 1)
-                        FROM levels l WHERE l.priority IS NOT NULL
-                    )
-                    SELECT due.* FROM levels l
-                    CROSS JOIN LATERAL (
-                        SELECT id, priority, run_at, kind,
-                            qb.any AND EXISTS (
-                                SELECT 1 FROM breakers b
-                                WHERE b.tenant = t.tenant AND b.queue = q.name AND b.kind = jobs.kind
-                                  AND b.open_until IS NOT NULL) AS half_open
-                        FROM jobs
-                        WHERE tenant = t.tenant AND queue = q.name AND state = 'queued'
-                          AND priority = l.priority AND run_at <= now()
-                          AND (cardinality($3::text[]) = 0 OR kind = ANY($3))
-                          AND (deadline IS NULL OR deadline > now())
-                          AND (NOT qb.any OR NOT EXISTS (
-                              SELECT 1 FROM breakers b
-                              WHERE b.tenant = t.tenant AND b.queue = q.name AND b.kind = jobs.kind
-                                AND (b.open_until > now()
-                                     OR EXISTS (SELECT 1 FROM jobs p
-                                                WHERE p.id = b.probe_job AND p.state = 'running'))
-                          ))
-                        ORDER BY run_at, id
-                        LIMIT $4
-                        FOR UPDATE SKIP LOCKED
-                    ) due
-                    WHERE l.priority IS NOT NULL
-                    ORDER BY due.priority DESC, due.run_at, due.id
-                    LIMIT $4
-                ) c
-                WHERE NOT EXISTS (
-                    SELECT 1 FROM paused_queues p WHERE p.tenant = t.tenant AND p.queue = q.name
-                )
-             ), picked AS (
-                SELECT id, row_number() OVER (ORDER BY tenant_load, priority DESC, run_at, id) AS slot
-                FROM (
-                    SELECT *, row_number() OVER (PARTITION BY tenant_load_key, kind
-                                                 ORDER BY priority DESC, run_at, id) AS kind_rank
-                    FROM candidates
-                ) ranked
-                WHERE queue_load <= cap AND (NOT half_open OR kind_rank = 1)
-                ORDER BY tenant_load, priority DESC, run_at, id
-                LIMIT $4
-             ), slots AS (
-                SELECT jsonb_object_agg(id::text, slot) AS of FROM picked
-             ), upd AS (
-                -- Jobs are found by the id array alone and each finds its
-                -- slot in a map, not by a join to picked: a generic plan of
-                -- that join either scanned all of jobs (when made on a young
-                -- table) or probed the primary key once per job with the
-                -- whole array as a second key, which PostgreSQL sorted again
-                -- for every probe (12 % of all CPU in burn-down).
-                UPDATE jobs j SET state = 'running', attempt = j.attempt + 1,
-                    lease_owner = ($5::text[])[(slots.of ->> j.id::text)::int],
-                    lease_token = gen_random_uuid()::text,
-                    lease_expires_at = LEAST(
-                        now() + ($6::int8[])[(slots.of ->> j.id::text)::int] * interval '1 millisecond',
-                        COALESCE(j.deadline, 'infinity'::timestamptz)),
-                    started_at = COALESCE(j.started_at, now()),
-                    leased_at = now(),
-                    updated_at = GREATEST(j.updated_at, now()),
-                    progress = 0,
-                    event_seq = j.event_seq + 1
-                FROM slots
-                WHERE j.id = ANY(ARRAY(SELECT id FROM picked))
-                RETURNING j.*, (slots.of ->> j.id::text)::int8 AS slot
-             ), ev AS (
-                INSERT INTO job_events (job_id, sequence, type, state, attempt, worker_id, at)
-                SELECT id, event_seq, 'leased', 'running', attempt, lease_owner, updated_at FROM upd
-             ), probes AS (
-                -- A job leased from a half-open breaker is its probe. Only
-                -- a candidate flagged half_open can be one, so without such
-                -- a candidate no leased job needs its breaker looked up.
-                UPDATE breakers b SET probe_job = u.id, updated_at = now()
-                FROM upd u
-                WHERE EXISTS (SELECT 1 FROM candidates WHERE half_open)
-                  AND b.tenant = u.tenant AND b.queue = u.queue AND b.kind = u.kind
-                  AND b.open_until <= now()
-                  AND (b.probe_job IS NULL
-                       OR NOT EXISTS (SELECT 1 FROM jobs p WHERE p.id = b.probe_job AND p.state = 'running'))
-             )
-             SELECT * FROM upd",
-        )
-        .bind(only_tenant)
-        .bind(&spec.queues)
-        .bind(&spec.kinds)
-        .bind(i64::try_from(slot_caller.len()).unwrap_or(i64::MAX))
-        .bind(&slot_worker)
-        .bind(&slot_lease_ms)
-        .bind(&self.caps.queues)
-        .bind(&self.caps.caps)
-        .bind(self.caps.default)
-        .bind(spec.all_tenants || self.caps.any())
-        .fetch_all(&mut *conn)
-        .await?;
+        let rows = sqlx::query(statement)
+            .bind(only_tenant)
+            .bind(&spec.queues)
+            .bind(&spec.kinds)
+            .bind(i64::try_from(slot_caller.len()).unwrap_or(i64::MAX))
+            .bind(&slot_worker)
+            .bind(&slot_lease_ms)
+            .bind(&self.caps.queues)
+            .bind(&self.caps.caps)
+            .bind(self.caps.default)
+            .bind(counted)
+            .fetch_all(&mut *conn)
+            .await?;
         conn.finish();
         // The claim is committed already: a row that cannot be read stays
         // leased to nobody (see `unreadable`), and the others are answered.
@@ -1825,7 +1866,104 @@ impl Store for PgStore {
 
 #[cfg(test)]
 mod tests {
+    use sqlx::Executor;
+
+    use super::*;
     use crate::domain::JobState;
+
+    /// The admin URL the integration tests use.
+    fn admin_url() -> String {
+        std::env::var("INTRAY_TEST_PG_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+    }
+
+    /// What a claim statement returns, in slot order: job, slot, worker.
+    async fn claimed_by(
+        conn: &mut PgConnection,
+        statement: &'static str,
+        workers: &[&str],
+    ) -> Vec<(Uuid, i64, String)> {
+        let mut tx = conn.begin().await.expect("begin");
+        let lease_ms = vec![30_000i64; workers.len()];
+        let rows = sqlx::query(statement)
+            .bind("a")
+            .bind(["q1", "q2", "q3"])
+            .bind(Vec::<String>::new())
+            .bind(i64::try_from(workers.len()).expect("a few slots"))
+            .bind(workers)
+            .bind(&lease_ms)
+            .bind(Vec::<String>::new())
+            .bind(Vec::<i64>::new())
+            .bind(i64::MAX)
+            .bind(false)
+            .fetch_all(&mut *tx)
+            .await
+            .expect("the claim runs");
+        tx.rollback().await.expect("rollback");
+        let mut claimed: Vec<(Uuid, i64, String)> = rows
+            .iter()
+            .map(|row| {
+                (
+                    row.get("id"),
+                    row.get("slot"),
+                    row.get::<String, _>("lease_owner"),
+                )
+            })
+            .collect();
+        claimed.sort_by_key(|c| c.1);
+        claimed
+    }
+
+    /// The one-tenant claim must pick what the general one picks for one
+    /// tenant without caps: the same jobs for the same slots, with
+    /// priorities, times not yet due, passed deadlines, a paused queue,
+    /// an open breaker and a half-open one (one probe of its kind) in play.
+    #[tokio::test]
+    async fn the_one_tenant_claim_picks_what_the_general_claim_picks() {
+        let admin = admin_url();
+        let name = format!("intray_claim_eq_{}", Uuid::now_v7().simple());
+        let mut conn = PgConnection::connect(&admin).await.expect("connect");
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .execute(&mut conn)
+            .await
+            .expect("create the database");
+        let (base, _) = admin.rsplit_once('/').expect("the URL names a database");
+        let url = format!("{base}/{name}");
+        migrate(&url).await.expect("migrate");
+        let mut db = PgConnection::connect(&url).await.expect("connect to it");
+        db.execute(
+            "INSERT INTO jobs (id, tenant, queue, kind, state, payload, max_attempts, priority,
+                 input_hash, run_at, deadline, backoff_initial_ms, backoff_max_ms, created_at,
+                 updated_at, event_seq)
+             SELECT gen_random_uuid(), CASE WHEN n % 11 = 0 THEN 'b' ELSE 'a' END,
+                 'q' || (1 + n % 3), 'k' || (1 + n % 4), 'queued', '{}', 3, (n % 3) * 5 - 5, 'h',
+                 now() + CASE WHEN n % 13 = 0 THEN interval '1 hour'
+                              ELSE (n % 7) * interval '-1 second' END,
+                 CASE WHEN n % 17 = 0 THEN now() - interval '1 second' END,
+                 1000, 60000, now(), now(), 1
+             FROM generate_series(1, 400) AS n;
+             INSERT INTO paused_queues (tenant, queue, paused_at) VALUES ('a', 'q3', now());
+             INSERT INTO breakers (tenant, queue, kind, failures, max_retry_after_ms, open_until,
+                 updated_at)
+             VALUES ('a', 'q1', 'k2', 5, 0, now() - interval '1 second', now()),
+                    ('a', 'q2', 'k3', 5, 0, now() + interval '1 hour', now());",
+        )
+        .await
+        .expect("the jobs, a pause and breakers");
+        for slots in [1, 7, 60, 400] {
+            let workers: Vec<String> = (0..slots).map(|i| format!("w{}", i % 5)).collect();
+            let workers: Vec<&str> = workers.iter().map(String::as_str).collect();
+            let general = claimed_by(&mut db, CLAIM, &workers).await;
+            let one_tenant = claimed_by(&mut db, CLAIM_ONE_TENANT, &workers).await;
+            assert!(!general.is_empty(), "{slots} slots claimed nothing");
+            assert_eq!(one_tenant, general, "{slots} slots");
+        }
+        db.close().await.expect("close");
+        sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {name}")))
+            .execute(&mut conn)
+            .await
+            .expect("drop the database");
+    }
 
     #[test]
     fn the_dead_set_in_sql_is_the_domains() {
