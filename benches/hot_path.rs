@@ -31,7 +31,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 fn limits() -> Limits {
     Limits {
         default_max_attempts: 3,
-        default_backoff: Backoff::try_new(Duration::from_secs(1), Duration::from_secs(300))
+        default_backoff: Backoff::try_new(Duration::from_secs(5), Duration::from_secs(300))
             .expect("the default backoff is valid"),
         max_payload_bytes: 1024 * 1024,
         default_lease: Duration::from_secs(60),
