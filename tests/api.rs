@@ -52,6 +52,11 @@ mod postgres_only {
     async fn complete_keeps_a_change_made_after_its_read() {
         super::complete_keeps_a_change_made_after_its_read().await
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn complete_where_leased_sees_another_replicas_changes() {
+        super::complete_where_leased_sees_another_replicas_changes().await
+    }
 }
 
 const LONG: Duration = Duration::from_secs(10);
@@ -2634,5 +2639,68 @@ async fn complete_keeps_a_change_made_after_its_read() {
         1,
         "one outcome recorded"
     );
+    server.stop().await;
+}
+
+/// The replica that grants a lease keeps the job as the lease left it, so
+/// that its `Complete` need not read it back; what another replica changed
+/// in between must still decide that `Complete`.
+async fn complete_where_leased_sees_another_replicas_changes() {
+    let server = TestServer::start(Backend::Postgres).await;
+    let replica = server.start_replica().await;
+    let mut jobs = server.jobs_client("t");
+    let mut here = server.workers_client("t");
+    let mut there = replica.workers_client("t");
+
+    // Progress reported through the other replica is kept, in order.
+    let job = submit(&mut jobs, "granted", "k", json!({})).await;
+    let leased = lease_one(&mut here, "w1", "granted").await;
+    there
+        .heartbeat(pb::HeartbeatRequest {
+            job_id: job.id.clone(),
+            lease_token: leased.lease_token.clone(),
+            extend_by: None,
+            progress: Some(0.5),
+            message: "halfway".into(),
+        })
+        .await
+        .expect("Heartbeat through the other replica");
+    let done = complete_ok(&mut here, &leased).await;
+    assert_eq!(state(&done), St::Succeeded);
+    let events = watch_all_until_now(&mut jobs, &job.id).await;
+    assert_eq!(
+        event_types(&events),
+        [Ev::Submitted, Ev::Leased, Ev::Progress, Ev::Succeeded]
+    );
+    assert_eq!(sequences(&events), [1, 2, 3, 4], "one gap-free history");
+
+    // A lease that ran out and went to another worker through the other
+    // replica: the first worker's late Complete is refused where it was
+    // granted, and the second worker's counts.
+    let job = submit(&mut jobs, "granted", "k", json!({})).await;
+    let first = here
+        .lease(short_lease_req("w1", "granted", 1, Duration::ZERO))
+        .await
+        .expect("Lease")
+        .into_inner()
+        .jobs;
+    assert_eq!(first.len(), 1, "the job is leased");
+    wait_for_state(&mut jobs, &job.id, St::Queued, Duration::from_secs(8)).await;
+    let second = lease_one(&mut there, "w2", "granted").await;
+    assert_eq!(second.job_id, job.id);
+    expect_code(
+        here.complete(success_req(&first[0], json!("late"))).await,
+        Code::Aborted,
+        "Complete under a lease that went to another worker",
+    );
+    let done = complete_ok(&mut there, &second).await;
+    assert_eq!(state(&done), St::Succeeded);
+    assert_eq!(done.attempt, 2, "the second attempt's outcome stands");
+    assert_eq!(
+        done.result,
+        Some(json_to_value(json!({"done": true}))),
+        "the late result was not written"
+    );
+    replica.stop().await;
     server.stop().await;
 }

@@ -10,6 +10,13 @@ use serde_json::json;
 
 common::backend_tests!(breaker_opens_probes_and_closes, breaker_honours_retry_after);
 
+mod postgres_only {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_breaker_begun_after_the_lease_counts_its_success() {
+        super::a_breaker_begun_after_the_lease_counts_its_success().await
+    }
+}
+
 fn with_breaker(threshold: u32, cooldown: Duration) -> impl FnOnce(&mut intray::config::Settings) {
     move |s| {
         s.breaker.threshold = threshold;
@@ -149,5 +156,42 @@ async fn breaker_honours_retry_after(backend: Backend) {
         state_of(&breaker_of(&mut jobs, "chat").await),
         Some(pb::BreakerState::Open)
     );
+    server.stop().await;
+}
+
+/// A `Complete` on the replica that granted the lease writes without
+/// reading the job back; a breaker that another replica began for the
+/// job's kind in between must still hear of its success, which ends the
+/// failure streak.
+async fn a_breaker_begun_after_the_lease_counts_its_success() {
+    let server =
+        TestServer::start_with(Backend::Postgres, with_breaker(3, Duration::from_secs(60))).await;
+    let replica = server.start_replica().await;
+    let mut jobs = server.jobs_client("t");
+    let mut here = server.workers_client("t");
+    let mut there = replica.workers_client("t");
+    for _ in 0..3 {
+        let mut r = submit_req("llm", "chat", json!({}));
+        r.max_attempts = Some(20);
+        submit_with(&mut jobs, r).await;
+    }
+    let leased = lease_kind(&mut here, "chat", 1).await;
+    assert_eq!(leased.len(), 1, "a chat job is leased here");
+    for n in 1..=2 {
+        let failing = lease_kind(&mut there, "chat", 1).await;
+        assert_eq!(failing.len(), 1, "failure {n}: a chat job is leased there");
+        fail(&mut there, &failing[0], None).await;
+    }
+    let begun = breaker_of(&mut jobs, "chat").await;
+    assert_eq!(begun.as_ref().map(|b| b.failures), Some(2), "{begun:?}");
+
+    complete_ok(&mut here, &leased[0]).await;
+    let after = breaker_of(&mut jobs, "chat").await;
+    assert_eq!(
+        after.as_ref().map_or(0, |b| b.failures),
+        0,
+        "the success ended the streak: {after:?}"
+    );
+    replica.stop().await;
     server.stop().await;
 }

@@ -8,6 +8,7 @@ mod error;
 pub mod outbox;
 mod pg_counts;
 mod pg_hot;
+mod pg_leased;
 pub mod postgres;
 pub mod sqlite;
 mod unreadable;

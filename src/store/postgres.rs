@@ -23,6 +23,7 @@ use uuid::Uuid;
 use super::changes::{CHANNEL, Changes, wake_everything, wake_from_payload};
 use super::pg_counts::Counts;
 use super::pg_hot::HotPool;
+use super::pg_leased::Leased;
 use super::unreadable::Unreadable;
 use super::{
     Ended, QueueDepth, QueueStatsBuilder, Reaped, Retried, RunningCaps, Stats, Store, StoreError,
@@ -75,6 +76,8 @@ pub struct PgStore {
     /// Jobs per queue and state, kept by the database.
     counts: Counts,
     unreadable: Unreadable,
+    /// Jobs this replica leased, for their `Complete` (see `pg_leased`).
+    leased: Leased,
 }
 
 impl Drop for PgStore {
@@ -225,7 +228,7 @@ macro_rules! submit_statement {
                     CASE WHEN handed THEN now() END, CASE WHEN handed THEN now() END
                 FROM placed ORDER BY ord
                 ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-                RETURNING *
+                RETURNING *, xmin::text AS row_version, pg_column_size(payload) AS payload_bytes
              ), ev AS (
                 INSERT INTO job_events (job_id, sequence, type, state, attempt, worker_id, at)
                 SELECT id, 1, 'submitted', 'queued', 0, NULL, created_at FROM ins
@@ -433,7 +436,8 @@ macro_rules! claim_statement {
                     event_seq = j.event_seq + 1
                 FROM slots
                 WHERE j.id = ANY(ARRAY(SELECT id FROM picked))
-                RETURNING j.*, (slots.of ->> j.id::text)::int8 AS slot
+                RETURNING j.*, (slots.of ->> j.id::text)::int8 AS slot, j.xmin::text AS row_version,
+                    pg_column_size(j.payload) AS payload_bytes
              ), ev AS (
                 INSERT INTO job_events (job_id, sequence, type, state, attempt, worker_id, at)
                 SELECT id, event_seq, 'leased', 'running', attempt, lease_owner, updated_at FROM upd
@@ -531,15 +535,14 @@ struct CompleteRead {
 
 impl CompleteRead {
     /// Runs `statement` ([`complete_read!`], with or without its lock) for
-    /// the jobs of `items`.
+    /// the jobs `ids`.
     async fn load(
         conn: &mut PgConnection,
         statement: &'static str,
-        items: &[CompleteSpec],
+        ids: &[Uuid],
         tenant: &str,
     ) -> StoreResult<CompleteRead> {
-        let ids: Vec<Uuid> = items.iter().map(|item| item.job_id).collect();
-        let rows = sqlx::query(statement).bind(&ids).fetch_all(conn).await?;
+        let rows = sqlx::query(statement).bind(ids).fetch_all(conn).await?;
         CompleteRead::from_rows(&rows, tenant)
     }
 
@@ -593,7 +596,7 @@ async fn load_for_update(
 /// rather than a silent overwrite (the row locks make it unreachable in
 /// practice); each job may appear once.
 async fn save(conn: &mut PgConnection, saved: &[(&Job, &JobEvent)]) -> StoreResult<()> {
-    let written = write_jobs(conn, saved, &vec![None; saved.len()]).await?;
+    let written = write_jobs(conn, saved, &vec![None; saved.len()], false).await?;
     if written.len() != saved.len() {
         return Err(StoreError::Internal("job changed concurrently".into()));
     }
@@ -601,25 +604,30 @@ async fn save(conn: &mut PgConnection, saved: &[(&Job, &JobEvent)]) -> StoreResu
 }
 
 /// Like [`save`], for jobs read without a lock: a job is written only if its
-/// row is still the version that was read (`xmin`, as text). Returns the ids
-/// written; the others changed in between and are left as they are.
+/// row is still the version that was read (`xmin`, as text) and, when
+/// `breakers_count`, no circuit breaker exists for its queue and kind (its
+/// outcome would have to count against it, under the breaker's lock).
+/// Returns the ids written; the others are left as they are.
 async fn save_unchanged(
     conn: &mut PgConnection,
     saved: &[(&Job, &JobEvent)],
     versions: &[&str],
+    breakers_count: bool,
 ) -> StoreResult<Vec<Uuid>> {
     let versions: Vec<Option<&str>> = versions.iter().copied().map(Some).collect();
-    write_jobs(conn, saved, &versions).await
+    write_jobs(conn, saved, &versions, breakers_count).await
 }
 
 /// The statement behind [`save`] and [`save_unchanged`]; `versions` holds
-/// `None` where the row is locked. (`j.id = ANY($1)` beside the join gives
+/// `None` where the row is locked, and only rows with a version are checked
+/// for a breaker (`breakers_count`). (`j.id = ANY($1)` beside the join gives
 /// the planner the primary-key path even when its statistics say the table
 /// is tiny.)
 async fn write_jobs(
     conn: &mut PgConnection,
     saved: &[(&Job, &JobEvent)],
     versions: &[Option<&str>],
+    breakers_count: bool,
 ) -> StoreResult<Vec<Uuid>> {
     if saved.is_empty() {
         return Ok(Vec::new());
@@ -690,6 +698,9 @@ async fn write_jobs(
             FROM input i
             WHERE j.id = ANY($1) AND j.id = i.id AND j.event_seq = i.event_seq - 1
               AND (i.row_version IS NULL OR j.xmin::text = i.row_version)
+              AND (i.row_version IS NULL OR NOT $23 OR NOT EXISTS (
+                  SELECT 1 FROM breakers b
+                  WHERE b.tenant = j.tenant AND b.queue = j.queue AND b.kind = j.kind))
             RETURNING j.id
          )
          INSERT INTO job_events (job_id, sequence, type, state, attempt, worker_id, at, detail)
@@ -720,6 +731,7 @@ async fn write_jobs(
     .bind(&workers)
     .bind(&details)
     .bind(versions)
+    .bind(breakers_count)
     .fetch_all(&mut *conn)
     .await?;
     done.iter()
@@ -970,6 +982,7 @@ impl PgStore {
             committed,
             listener_stop,
             unreadable: Unreadable::default(),
+            leased: Leased::default(),
         })
     }
 
@@ -989,7 +1002,8 @@ impl PgStore {
         let mut tx = conn.begin().await?;
         // Locked in id order, so concurrent batches cannot deadlock.
         let locking = concat!(complete_read!(), " FOR UPDATE");
-        let mut read = CompleteRead::load(&mut tx, locking, &items, tenant).await?;
+        let ids: Vec<Uuid> = items.iter().map(|item| item.job_id).collect();
+        let mut read = CompleteRead::load(&mut tx, locking, &ids, tenant).await?;
         let failures = items
             .iter()
             .any(|item| breaker::failure_of(&item.outcome).is_some());
@@ -1012,9 +1026,11 @@ impl PgStore {
     }
 
     /// `Complete` in two round trips instead of the four of
-    /// [`Self::complete_locked`] (`BEGIN`, read, write, `COMMIT`): the rows
-    /// are read without a lock and written by one autocommitted statement
-    /// that skips every row changed since the read. Those jobs go through
+    /// [`Self::complete_locked`] (`BEGIN`, read, write, `COMMIT`), and in
+    /// one for the jobs this replica leased: the rows are read without a
+    /// lock (or taken as their lease left them, see `pg_leased`) and written
+    /// by one autocommitted statement that skips every row changed since,
+    /// and every row whose kind has a circuit breaker. Those jobs go through
     /// [`Self::complete_locked`], as does the whole batch when an outcome
     /// would change a circuit breaker, since breakers are written in the
     /// outcome's transaction. An error found in the read (a stale lease
@@ -1026,7 +1042,7 @@ impl PgStore {
         items: Vec<CompleteSpec>,
     ) -> StoreResult<Vec<StoreResult<Ended>>> {
         let mut conn = self.planned.acquire().await?;
-        let mut read = CompleteRead::load(&mut conn, complete_read!(), &items, tenant).await?;
+        let mut read = self.read_for_complete(&mut conn, &items, tenant).await?;
         if self.breaker.threshold > 0 && read.has_breaker {
             conn.finish();
             return self.complete_locked(tenant, items).await;
@@ -1051,10 +1067,11 @@ impl PgStore {
                     .ok_or_else(|| StoreError::Internal("a job read without its version".into()))
             })
             .collect::<StoreResult<Vec<_>>>()?;
-        let written: HashSet<Uuid> = save_unchanged(&mut conn, &saved, &versions)
-            .await?
-            .into_iter()
-            .collect();
+        let written: HashSet<Uuid> =
+            save_unchanged(&mut conn, &saved, &versions, self.breaker.threshold > 0)
+                .await?
+                .into_iter()
+                .collect();
         conn.finish();
         let mut changes = Changes::default();
         let mut redo = Vec::new();
@@ -1141,6 +1158,51 @@ impl PgStore {
             }
         }
         results
+    }
+
+    /// Keeps a job this replica has just leased for its `Complete`: `row`
+    /// is the claim's or the hand-off's, with the row version it wrote.
+    fn keep_leased(&self, row: &PgRow, job: &Job) {
+        let version = row.try_get::<String, _>("row_version");
+        let payload_bytes = row.try_get::<i32, _>("payload_bytes");
+        if let (Ok(version), Ok(payload_bytes)) = (version, payload_bytes) {
+            let payload_bytes = usize::try_from(payload_bytes).unwrap_or(usize::MAX);
+            self.leased.keep(job.clone(), version, payload_bytes);
+        }
+    }
+
+    /// `Complete`'s unlocked read: the jobs this replica leased are taken
+    /// from what their leases returned, and only the others are read.
+    async fn read_for_complete(
+        &self,
+        conn: &mut PgConnection,
+        items: &[CompleteSpec],
+        tenant: &str,
+    ) -> StoreResult<CompleteRead> {
+        let mut kept = Vec::with_capacity(items.len());
+        let mut missing = Vec::new();
+        for item in items {
+            match self.leased.take(tenant, item.job_id) {
+                Some(job) => kept.push(job),
+                None => missing.push(item.job_id),
+            }
+        }
+        let mut read = if missing.is_empty() {
+            CompleteRead::from_rows(&[], tenant)?
+        } else {
+            CompleteRead::load(conn, complete_read!(), &missing, tenant).await?
+        };
+        // The database's own time, when a row brought it, beats an estimate.
+        if read.jobs.is_empty()
+            && let Some(now) = kept.iter().map(|k| k.now).max()
+        {
+            read.now = now;
+        }
+        for k in kept {
+            read.versions.insert(k.job.id, k.version);
+            read.jobs.insert(k.job.id, k.job);
+        }
+        Ok(read)
     }
 
     /// After a commit: wakes this replica's waiters at once and queues the
@@ -1281,6 +1343,9 @@ impl Store for PgStore {
         let mut created: HashMap<Uuid, Job> = HashMap::with_capacity(rows.len());
         for row in &rows {
             let job = job_from_row(row)?;
+            if job.state == JobState::Running {
+                self.keep_leased(row, &job);
+            }
             created.insert(job.id, job);
         }
         // Keys that were taken: committed before the insert returned (a
@@ -1619,6 +1684,7 @@ impl Store for PgStore {
                 .and_then(|i| slot_caller.get(i))
                 .ok_or_else(|| corrupt("slot"))?;
             changes.job_event(&job, &JobEvent::leased(&job));
+            self.keep_leased(row, &job);
             claimed[*caller].push(job);
         }
         for jobs in &mut claimed {
@@ -1654,6 +1720,7 @@ impl Store for PgStore {
 
     #[tracing::instrument(name = "store.heartbeat", skip_all, fields(job_id = %spec.job_id))]
     async fn heartbeat(&self, tenant: &str, spec: &HeartbeatSpec) -> StoreResult<HeartbeatAck> {
+        self.leased.forget(spec.job_id);
         let with_event = spec.progress.is_some() || spec.message.is_some();
         // Once a cancel is requested the lease no longer grows: it ends at the
         // cancel grace at the latest.
