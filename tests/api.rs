@@ -2701,6 +2701,48 @@ async fn complete_where_leased_sees_another_replicas_changes() {
         Some(json_to_value(json!({"done": true}))),
         "the late result was not written"
     );
+
+    // The same, but the second worker's Complete reaches the replica that
+    // still keeps the first lease (a client spreading its calls over
+    // replicas): the row decides, not the lease kept there.
+    let job = submit(&mut jobs, "granted", "k", json!({})).await;
+    let first = here
+        .lease(short_lease_req("w1", "granted", 1, Duration::ZERO))
+        .await
+        .expect("Lease")
+        .into_inner()
+        .jobs;
+    assert_eq!(first.len(), 1, "the job is leased");
+    wait_for_state(&mut jobs, &job.id, St::Queued, Duration::from_secs(8)).await;
+    let second = lease_one(&mut there, "w2", "granted").await;
+    let done = complete_ok(&mut here, &second).await;
+    assert_eq!(state(&done), St::Succeeded);
+    assert_eq!(done.attempt, 2);
+
+    // A lease extended through the other replica past the end the granting
+    // replica knows of: its Complete there is still in time.
+    let job = submit(&mut jobs, "granted", "k", json!({})).await;
+    let leased = here
+        .lease(short_lease_req("w1", "granted", 1, Duration::ZERO))
+        .await
+        .expect("Lease")
+        .into_inner()
+        .jobs;
+    assert_eq!(leased.len(), 1, "the job is leased");
+    there
+        .heartbeat(pb::HeartbeatRequest {
+            job_id: job.id.clone(),
+            lease_token: leased[0].lease_token.clone(),
+            extend_by: Some(secs(30)),
+            progress: None,
+            message: String::new(),
+        })
+        .await
+        .expect("Heartbeat through the other replica");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let done = complete_ok(&mut here, &leased[0]).await;
+    assert_eq!(state(&done), St::Succeeded);
+    assert_eq!(done.attempt, 1);
     replica.stop().await;
     server.stop().await;
 }

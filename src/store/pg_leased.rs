@@ -11,8 +11,11 @@
 //! Nothing kept here is trusted beyond that. The write still requires the
 //! row to be exactly the version the lease produced, so a job changed since
 //! (a heartbeat, a cancel request, the reaper, another replica) is skipped
-//! by the write and done again from the database; a kept job only ever
-//! spares a read whose answer it already holds.
+//! by the write and done again from the database. A refusal decided from a
+//! kept job (its lease run out, another token) is decided again from the
+//! row too: the lease may have been extended, or granted again, through
+//! another replica. A kept job only ever spares a read whose answer it
+//! already holds.
 //!
 //! What a lease does not return is the database's time at the `Complete`,
 //! which the state machine needs (finish times, retry times, whether the

@@ -1042,7 +1042,7 @@ impl PgStore {
         items: Vec<CompleteSpec>,
     ) -> StoreResult<Vec<StoreResult<Ended>>> {
         let mut conn = self.planned.acquire().await?;
-        let mut read = self.read_for_complete(&mut conn, &items, tenant).await?;
+        let (mut read, from_lease) = self.read_for_complete(&mut conn, &items, tenant).await?;
         if self.breaker.threshold > 0 && read.has_breaker {
             conn.finish();
             return self.complete_locked(tenant, items).await;
@@ -1076,12 +1076,16 @@ impl PgStore {
         let mut changes = Changes::default();
         let mut redo = Vec::new();
         for (index, result) in results.iter().enumerate() {
-            if let Ok(ended) = result {
-                if written.contains(&ended.job.id) {
+            match result {
+                Ok(ended) if written.contains(&ended.job.id) => {
                     changes.job_event(&ended.job, &ended.event);
-                } else {
-                    redo.push(index);
                 }
+                Ok(_) => redo.push(index),
+                // A refusal decided from what a lease left may be out of
+                // date (the lease extended, or granted again, through
+                // another replica): only the row itself may refuse.
+                Err(_) if from_lease[index] => redo.push(index),
+                Err(_) => {}
             }
         }
         self.committed(changes);
@@ -1090,7 +1094,7 @@ impl PgStore {
         }
         tracing::debug!(
             jobs = redo.len(),
-            "jobs changed between Complete's read and write; redone under lock"
+            "jobs changed between Complete's read and write, or refused from a kept lease; redone under lock"
         );
         let again: Vec<CompleteSpec> = redo.iter().map(|&i| spare[i].clone()).collect();
         // The others have committed: a failure here is only these items'.
@@ -1172,17 +1176,21 @@ impl PgStore {
     }
 
     /// `Complete`'s unlocked read: the jobs this replica leased are taken
-    /// from what their leases returned, and only the others are read.
+    /// from what their leases returned, and only the others are read. Says
+    /// for each item whether its job came from a lease.
     async fn read_for_complete(
         &self,
         conn: &mut PgConnection,
         items: &[CompleteSpec],
         tenant: &str,
-    ) -> StoreResult<CompleteRead> {
+    ) -> StoreResult<(CompleteRead, Vec<bool>)> {
         let mut kept = Vec::with_capacity(items.len());
         let mut missing = Vec::new();
+        let mut from_lease = Vec::with_capacity(items.len());
         for item in items {
-            match self.leased.take(tenant, item.job_id) {
+            let taken = self.leased.take(tenant, item.job_id);
+            from_lease.push(taken.is_some());
+            match taken {
                 Some(job) => kept.push(job),
                 None => missing.push(item.job_id),
             }
@@ -1202,7 +1210,7 @@ impl PgStore {
             read.versions.insert(k.job.id, k.version);
             read.jobs.insert(k.job.id, k.job);
         }
-        Ok(read)
+        Ok((read, from_lease))
     }
 
     /// After a commit: wakes this replica's waiters at once and queues the
