@@ -2677,19 +2677,9 @@ async fn complete_where_leased_sees_another_replicas_changes() {
     // A lease that ran out and went to another worker through the other
     // replica: the first worker's late Complete is refused where it was
     // granted, and the second worker's counts.
-    let job = submit(&mut jobs, "granted", "k", json!({})).await;
-    let first = here
-        .lease(short_lease_req("w1", "granted", 1, Duration::ZERO))
-        .await
-        .expect("Lease")
-        .into_inner()
-        .jobs;
-    assert_eq!(first.len(), 1, "the job is leased");
-    wait_for_state(&mut jobs, &job.id, St::Queued, Duration::from_secs(8)).await;
-    let second = lease_one(&mut there, "w2", "granted").await;
-    assert_eq!(second.job_id, job.id);
+    let (first, second) = run_out_and_leased_again(&mut jobs, &mut here, &mut there).await;
     expect_code(
-        here.complete(success_req(&first[0], json!("late"))).await,
+        here.complete(success_req(&first, json!("late"))).await,
         Code::Aborted,
         "Complete under a lease that went to another worker",
     );
@@ -2705,16 +2695,7 @@ async fn complete_where_leased_sees_another_replicas_changes() {
     // The same, but the second worker's Complete reaches the replica that
     // still keeps the first lease (a client spreading its calls over
     // replicas): the row decides, not the lease kept there.
-    let job = submit(&mut jobs, "granted", "k", json!({})).await;
-    let first = here
-        .lease(short_lease_req("w1", "granted", 1, Duration::ZERO))
-        .await
-        .expect("Lease")
-        .into_inner()
-        .jobs;
-    assert_eq!(first.len(), 1, "the job is leased");
-    wait_for_state(&mut jobs, &job.id, St::Queued, Duration::from_secs(8)).await;
-    let second = lease_one(&mut there, "w2", "granted").await;
+    let (_, second) = run_out_and_leased_again(&mut jobs, &mut here, &mut there).await;
     let done = complete_ok(&mut here, &second).await;
     assert_eq!(state(&done), St::Succeeded);
     assert_eq!(done.attempt, 2);
@@ -2745,4 +2726,26 @@ async fn complete_where_leased_sees_another_replicas_changes() {
     assert_eq!(done.attempt, 1);
     replica.stop().await;
     server.stop().await;
+}
+
+/// Submits a job to queue `granted`, leases it to `w1` through `here` for
+/// a second, waits until the reaper has taken the lease back and leases it
+/// again to `w2` through `there`: the run-out lease and the new one.
+async fn run_out_and_leased_again(
+    jobs: &mut JobsClient,
+    here: &mut WorkersClient,
+    there: &mut WorkersClient,
+) -> (pb::LeasedJob, pb::LeasedJob) {
+    let job = submit(jobs, "granted", "k", json!({})).await;
+    let mut first = here
+        .lease(short_lease_req("w1", "granted", 1, Duration::ZERO))
+        .await
+        .expect("Lease")
+        .into_inner()
+        .jobs;
+    assert_eq!(first.len(), 1, "the job is leased");
+    wait_for_state(jobs, &job.id, St::Queued, Duration::from_secs(8)).await;
+    let second = lease_one(there, "w2", "granted").await;
+    assert_eq!(second.job_id, job.id);
+    (first.remove(0), second)
 }

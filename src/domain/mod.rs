@@ -4,6 +4,8 @@
 
 pub mod backoff;
 pub mod breaker;
+#[cfg(test)]
+pub mod fixtures;
 pub mod hash;
 pub mod transition;
 pub mod validate;

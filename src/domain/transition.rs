@@ -267,58 +267,8 @@ pub fn deadline_passed(job: &mut Job, now: DateTime<Utc>) -> JobEvent {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
-
-    use chrono::TimeZone;
-    use uuid::Uuid;
-
     use super::*;
-    use crate::domain::Backoff;
-
-    fn t(secs: i64) -> DateTime<Utc> {
-        Utc.timestamp_opt(1_800_000_000 + secs, 0)
-            .single()
-            .expect("valid time")
-    }
-
-    fn running(attempt: u32, max_attempts: u32) -> Job {
-        Job {
-            id: Uuid::now_v7(),
-            tenant: "default".into(),
-            queue: "q".into(),
-            kind: "k".into(),
-            state: JobState::Running,
-            payload: json!({}),
-            result: None,
-            error: None,
-            attempt,
-            max_attempts,
-            priority: 0,
-            idempotency_key: None,
-            input_hash: String::new(),
-            labels: BTreeMap::new(),
-            progress: 0.0,
-            cancel_requested: false,
-            cancel_requested_at: None,
-            cost_cents: 0,
-            lease_owner: Some("w1".into()),
-            lease_token: Some("tok".into()),
-            lease_expires_at: Some(t(60)),
-            run_at: t(0),
-            deadline: None,
-            backoff: Backoff::try_new(Duration::from_secs(5), Duration::from_secs(300))
-                .expect("valid"),
-            callback_url: None,
-            max_cost_cents: None,
-            created_at: t(0),
-            updated_at: t(0),
-            started_at: Some(t(0)),
-            finished_at: None,
-            event_seq: 2,
-            trace_parent: None,
-            leased_at: Some(t(0)),
-        }
-    }
+    use crate::domain::fixtures::{running, t};
 
     fn failure(retryable: bool, retry_after: Option<Duration>) -> Outcome {
         Outcome::Failure {

@@ -32,7 +32,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use chrono::{DateTime, TimeDelta, Utc};
 use uuid::Uuid;
@@ -43,6 +43,10 @@ use crate::domain::Job;
 const MAX_JOBS: usize = 16_384;
 /// Most payload bytes kept at once, as PostgreSQL stores them.
 const MAX_PAYLOAD_BYTES: usize = 16 * 1024 * 1024;
+/// When full, expired leases are looked for at most this often: the look
+/// goes over every kept job, and a table full of live leases would
+/// otherwise be gone over again for every new one.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
 /// A leased job as its lease left it.
 pub struct Kept {
@@ -84,6 +88,8 @@ impl Entry {
 struct Table {
     jobs: HashMap<Uuid, Entry>,
     payload_bytes: usize,
+    /// No look for expired leases before this.
+    next_sweep: Option<Instant>,
 }
 
 impl Table {
@@ -94,10 +100,15 @@ impl Table {
     }
 
     fn fits(&self, payload_bytes: usize) -> bool {
-        self.jobs.len() < MAX_JOBS && self.payload_bytes + payload_bytes <= MAX_PAYLOAD_BYTES
+        self.jobs.len() < MAX_JOBS
+            && self.payload_bytes.saturating_add(payload_bytes) <= MAX_PAYLOAD_BYTES
     }
 
     fn let_go_expired(&mut self, at: Instant) {
+        if self.next_sweep.is_some_and(|next| at < next) {
+            return;
+        }
+        self.next_sweep = Some(at + SWEEP_EVERY);
         self.jobs.retain(|_, entry| !entry.expired(at));
         self.payload_bytes = self.jobs.values().map(|e| e.payload_bytes).sum();
     }
@@ -188,51 +199,17 @@ impl Leased {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
-    use std::time::Duration;
-
-    use serde_json::json;
-
     use super::*;
-    use crate::domain::{Backoff, JobState};
+    use crate::domain::fixtures::running;
 
+    /// A job of `tenant` leased for `lease` from its `leased_at`.
     fn leased(tenant: &str, lease: Duration) -> Job {
-        let granted = Utc::now();
-        Job {
-            id: Uuid::now_v7(),
-            tenant: tenant.into(),
-            queue: "q".into(),
-            kind: "k".into(),
-            state: JobState::Running,
-            payload: json!({}),
-            result: None,
-            error: None,
-            attempt: 1,
-            max_attempts: 3,
-            priority: 0,
-            idempotency_key: None,
-            input_hash: String::new(),
-            labels: BTreeMap::new(),
-            progress: 0.0,
-            cancel_requested: false,
-            cancel_requested_at: None,
-            cost_cents: 0,
-            lease_owner: Some("w".into()),
-            lease_token: Some("t".into()),
-            lease_expires_at: Some(granted + TimeDelta::from_std(lease).unwrap()),
-            run_at: granted,
-            deadline: None,
-            backoff: Backoff::try_new(Duration::from_secs(1), Duration::from_secs(60)).unwrap(),
-            callback_url: None,
-            max_cost_cents: None,
-            created_at: granted,
-            updated_at: granted,
-            started_at: Some(granted),
-            finished_at: None,
-            event_seq: 2,
-            trace_parent: None,
-            leased_at: Some(granted),
-        }
+        let mut job = running(1, 3);
+        job.tenant = tenant.into();
+        job.lease_expires_at = job
+            .leased_at
+            .map(|at| at + TimeDelta::from_std(lease).expect("a short lease"));
+        job
     }
 
     #[test]
@@ -299,6 +276,26 @@ mod tests {
         assert!(leased_.keep_at(leased("t1", Duration::from_secs(60)), "4".into(), 1, later));
         assert_eq!(leased_.len(), 2);
         assert!(leased_.take_at("t1", live_id, later).is_some());
+    }
+
+    #[test]
+    fn a_full_table_is_looked_over_at_most_once_a_second() {
+        let leased_ = Leased::default();
+        let at = Instant::now();
+        let all = MAX_PAYLOAD_BYTES;
+        assert!(leased_.keep_at(
+            leased("t1", Duration::from_millis(100)),
+            "1".into(),
+            all,
+            at
+        ));
+        assert!(!leased_.keep_at(leased("t1", Duration::from_secs(60)), "2".into(), 1, at));
+        // The first lease has run out, but the table was looked over just now.
+        let soon = at + Duration::from_millis(500);
+        assert!(!leased_.keep_at(leased("t1", Duration::from_secs(60)), "3".into(), 1, soon));
+        let later = at + SWEEP_EVERY;
+        assert!(leased_.keep_at(leased("t1", Duration::from_secs(60)), "4".into(), 1, later));
+        assert_eq!(leased_.len(), 1);
     }
 
     #[test]
