@@ -2724,6 +2724,23 @@ async fn complete_where_leased_sees_another_replicas_changes() {
     let done = complete_ok(&mut here, &leased[0]).await;
     assert_eq!(state(&done), St::Succeeded);
     assert_eq!(done.attempt, 1);
+
+    // A cancel requested through the other replica: the worker's success
+    // where the lease was granted ends the job CANCELLED, its result
+    // discarded, as on one replica.
+    let job = submit(&mut jobs, "granted", "k", json!({})).await;
+    let leased = lease_one(&mut here, "w1", "granted").await;
+    replica
+        .jobs_client("t")
+        .cancel(pb::CancelJobRequest {
+            id: job.id.clone(),
+            reason: "stop".into(),
+        })
+        .await
+        .expect("Cancel through the other replica");
+    let done = complete_ok(&mut here, &leased).await;
+    assert_eq!(state(&done), St::Cancelled);
+    assert_eq!(done.result, None, "the result is discarded");
     replica.stop().await;
     server.stop().await;
 }
