@@ -350,7 +350,8 @@ macro_rules! claim_statement {
                 WHERE $10 AND state = 'running' AND ($1::text IS NULL OR tenant = $1)
                 GROUP BY tenant, queue
              ), candidates AS (
-                SELECT c.id, c.priority, c.run_at, c.kind, c.half_open, q.name AS queue", $loads, "
+                SELECT c.id, c.tid, c.priority, c.run_at, c.kind, c.half_open, q.name AS queue",
+                $loads, "
                 FROM tenants t
                 CROSS JOIN unnest($2::text[]) AS q(name)
                 -- Whether the queue has any breaker, once: most have none,
@@ -385,7 +386,7 @@ macro_rules! claim_statement {
                     )
                     SELECT due.* FROM levels l
                     CROSS JOIN LATERAL (
-                        SELECT id, priority, run_at, kind,
+                        SELECT id, ctid AS tid, priority, run_at, kind,
                             qb.any AND EXISTS (
                                 SELECT 1 FROM breakers b
                                 WHERE b.tenant = t.tenant AND b.queue = q.name AND b.kind = jobs.kind
@@ -398,9 +399,14 @@ macro_rules! claim_statement {
                           AND (NOT qb.any OR NOT EXISTS (
                               SELECT 1 FROM breakers b
                               WHERE b.tenant = t.tenant AND b.queue = q.name AND b.kind = jobs.kind
+                                -- The probe's state by key: with the state in
+                                -- the filter, plans took jobs_running_owner
+                                -- and read the tenant's running jobs (and
+                                -- their cost made the claim JIT-compiled).
                                 AND (b.open_until > now()
-                                     OR EXISTS (SELECT 1 FROM jobs p
-                                                WHERE p.id = b.probe_job AND p.state = 'running'))
+                                     OR (SELECT p.state FROM jobs p
+                                         WHERE p.tenant = b.tenant AND p.id = b.probe_job)
+                                        = 'running')
                           ))
                         ORDER BY run_at, id
                         LIMIT $4
@@ -417,26 +423,32 @@ macro_rules! claim_statement {
              ), slots AS (
                 SELECT jsonb_object_agg(id::text, slot) AS of FROM picked
              ), upd AS (
-                -- Jobs are found by the id array alone and each finds its
-                -- slot in a map, not by a join to picked: a generic plan of
-                -- that join either scanned all of jobs (when made on a young
-                -- table) or probed the primary key once per job with the
-                -- whole array as a second key, which PostgreSQL sorted again
-                -- for every probe (12 % of all CPU in burn-down).
+                -- The picked rows are locked (FOR UPDATE above), so their
+                -- tuple ids hold until this update: it reads them by tuple
+                -- id, with no index and so no plan to go wrong, and each
+                -- finds its slot in a map (evaluated once), not by a join
+                -- to picked. Generic plans of key lookups went wrong here:
+                -- a join to picked scanned all of jobs when planned on a
+                -- young table, or probed the primary key once per job with
+                -- the whole array as a second key, sorted again for every
+                -- probe (12 % of all CPU in burn-down); with the key
+                -- (tenant, id), the key arrays were planned on a young
+                -- table as a scan of the tenant's jobs filtered by id.
                 UPDATE jobs j SET state = 'running', attempt = j.attempt + 1,
-                    lease_owner = ($5::text[])[(slots.of ->> j.id::text)::int],
+                    lease_owner = ($5::text[])[((SELECT of FROM slots) ->> j.id::text)::int],
                     lease_token = gen_random_uuid()::text,
                     lease_expires_at = LEAST(
-                        now() + ($6::int8[])[(slots.of ->> j.id::text)::int] * interval '1 millisecond',
+                        now() + ($6::int8[])[((SELECT of FROM slots) ->> j.id::text)::int]
+                            * interval '1 millisecond',
                         COALESCE(j.deadline, 'infinity'::timestamptz)),
                     started_at = COALESCE(j.started_at, now()),
                     leased_at = now(),
                     updated_at = GREATEST(j.updated_at, now()),
                     progress = 0,
                     event_seq = j.event_seq + 1
-                FROM slots
-                WHERE j.id = ANY(ARRAY(SELECT id FROM picked))
-                RETURNING j.*, (slots.of ->> j.id::text)::int8 AS slot, j.xmin::text AS row_version,
+                WHERE j.ctid = ANY(ARRAY(SELECT tid FROM picked))
+                RETURNING j.*, ((SELECT of FROM slots) ->> j.id::text)::int8 AS slot,
+                    j.xmin::text AS row_version,
                     pg_column_size(j.payload) AS payload_bytes
              ), ev AS (
                 INSERT INTO job_events (job_id, sequence, type, state, attempt, worker_id, at)
@@ -451,7 +463,9 @@ macro_rules! claim_statement {
                   AND b.tenant = u.tenant AND b.queue = u.queue AND b.kind = u.kind
                   AND b.open_until <= now()
                   AND (b.probe_job IS NULL
-                       OR NOT EXISTS (SELECT 1 FROM jobs p WHERE p.id = b.probe_job AND p.state = 'running'))
+                       OR (SELECT p.state FROM jobs p
+                           WHERE p.tenant = b.tenant AND p.id = b.probe_job)
+                          IS DISTINCT FROM 'running')
              )
              SELECT * FROM upd"
         )
@@ -476,7 +490,8 @@ const CLAIM: &str = claim_statement!(
                     COALESCE((SELECT o.cap FROM unnest($7::text[], $8::bigint[]) AS o(queue, cap)
                               WHERE o.queue = q.name), $9) AS cap",
     "
-                SELECT id, row_number() OVER (ORDER BY tenant_load, priority DESC, run_at, id) AS slot
+                SELECT id, tid,
+                    row_number() OVER (ORDER BY tenant_load, priority DESC, run_at, id) AS slot
                 FROM (
                     SELECT *, row_number() OVER (PARTITION BY tenant_load_key, kind
                                                  ORDER BY priority DESC, run_at, id) AS kind_rank
@@ -497,7 +512,7 @@ const CLAIM: &str = claim_statement!(
 const CLAIM_ONE_TENANT: &str = claim_statement!(
     "",
     "
-                SELECT id, row_number() OVER (ORDER BY priority DESC, run_at, id) AS slot
+                SELECT id, tid, row_number() OVER (ORDER BY priority DESC, run_at, id) AS slot
                 FROM (
                     SELECT * FROM candidates WHERE NOT half_open
                     UNION ALL
@@ -508,17 +523,29 @@ const CLAIM_ONE_TENANT: &str = claim_statement!(
                 LIMIT $4"
 );
 
-/// The jobs a batch of outcomes ends, by id only (with a tenant predicate a
-/// planner on stale statistics scans the tenant's whole index instead of the
-/// primary key; another tenant's job is dropped after the read, as if
-/// missing), with the database's time, each row's version and whether a
-/// circuit breaker exists for its queue and kind.
+/// The jobs of one tenant (`$2`) that a batch of outcomes ends (`$1`, ids in
+/// order: a `$lock` takes the row locks in that order), another tenant's
+/// job not found, as if missing; with the database's time, each row's
+/// version and whether a circuit breaker exists for its queue and kind.
+///
+/// One primary-key probe per id, in a lateral subquery that cannot be
+/// flattened into a join: given the two key conditions `tenant = $2 AND id
+/// = ANY($1)`, a generic plan made on a young table scanned the tenant's
+/// jobs and filtered them by id.
 macro_rules! complete_read {
-    () => {
-        "SELECT *, now() AS db_now, xmin::text AS row_version,
-            EXISTS (SELECT 1 FROM breakers b WHERE b.tenant = jobs.tenant
-                    AND b.queue = jobs.queue AND b.kind = jobs.kind) AS has_breaker
-         FROM jobs WHERE id = ANY($1) ORDER BY id"
+    ($lock:literal) => {
+        concat!(
+            "SELECT j.*, now() AS db_now,
+                EXISTS (SELECT 1 FROM breakers b WHERE b.tenant = j.tenant
+                        AND b.queue = j.queue AND b.kind = j.kind) AS has_breaker
+             FROM unnest($1::uuid[]) AS k(id)
+             CROSS JOIN LATERAL (
+                 SELECT *, xmin::text AS row_version FROM jobs
+                 WHERE tenant = $2 AND id = k.id OFFSET 0 ",
+            $lock,
+            "
+             ) j"
+        )
     };
 }
 
@@ -534,33 +561,40 @@ struct CompleteRead {
 }
 
 impl CompleteRead {
+    /// Nothing read yet, with this process's clock as the time.
+    fn empty(capacity: usize) -> CompleteRead {
+        CompleteRead {
+            jobs: HashMap::with_capacity(capacity),
+            versions: HashMap::with_capacity(capacity),
+            now: Utc::now(),
+            has_breaker: false,
+        }
+    }
+
     /// Runs `statement` ([`complete_read!`], with or without its lock) for
-    /// the jobs `ids`.
+    /// `tenant`'s jobs `ids`, each once and in order, so that concurrent
+    /// locking reads take their locks in one order.
     async fn load(
         conn: &mut PgConnection,
         statement: &'static str,
         ids: &[Uuid],
         tenant: &str,
     ) -> StoreResult<CompleteRead> {
-        let rows = sqlx::query(statement).bind(ids).fetch_all(conn).await?;
-        CompleteRead::from_rows(&rows, tenant)
-    }
-
-    fn from_rows(rows: &[PgRow], tenant: &str) -> StoreResult<CompleteRead> {
-        let mut read = CompleteRead {
-            jobs: HashMap::with_capacity(rows.len()),
-            versions: HashMap::with_capacity(rows.len()),
-            now: Utc::now(),
-            has_breaker: false,
-        };
-        for row in rows {
+        let mut ids = ids.to_vec();
+        ids.sort_unstable();
+        ids.dedup();
+        let rows = sqlx::query(statement)
+            .bind(&ids)
+            .bind(tenant)
+            .fetch_all(conn)
+            .await?;
+        let mut read = CompleteRead::empty(rows.len());
+        for row in &rows {
             read.now = row.try_get("db_now")?;
             let job = job_from_row(row)?;
-            if job.tenant == tenant {
-                read.has_breaker |= row.try_get::<bool, _>("has_breaker")?;
-                read.versions.insert(job.id, row.try_get("row_version")?);
-                read.jobs.insert(job.id, job);
-            }
+            read.has_breaker |= row.try_get::<bool, _>("has_breaker")?;
+            read.versions.insert(job.id, row.try_get("row_version")?);
+            read.jobs.insert(job.id, job);
         }
         Ok(read)
     }
@@ -618,11 +652,53 @@ async fn save_unchanged(
     write_jobs(conn, saved, &versions, breakers_count).await
 }
 
+/// The statement of [`write_jobs`]: one row per job in the arrays, the
+/// version to check in `$22` (NULL for a locked row), `$23` whether a
+/// breaker's existence stops a versioned write, the tenants in `$24`.
+///
+/// The rows are found by one primary-key probe each, then updated by tuple
+/// id, so that no plan can choose another path: a join to the input on the
+/// key, or the key arrays beside it, were planned on a young table (generic
+/// plans last) as a scan of all jobs, or of the tenant's, filtered by id. A
+/// row updated between the probe and the write (only possible for a
+/// version-checked one) has moved on, and is left as it is.
+const WRITE_JOBS: &str = "WITH input AS (
+        SELECT * FROM unnest($1::uuid[], $2::text[], $3::jsonb[], $4::text[], $5::text[],
+            $6::int4[], $7::float8[], $8::bool[], $9::timestamptz[], $10::int8[], $11::text[],
+            $12::text[], $13::timestamptz[], $14::timestamptz[], $15::timestamptz[],
+            $16::timestamptz[], $17::timestamptz[], $18::int8[], $19::text[], $20::text[],
+            $21::jsonb[], $22::text[], $24::text[])
+          AS i(id, state, result, error_class, error_message, attempt, progress,
+               cancel_requested, cancel_requested_at, cost_cents, lease_owner, lease_token,
+               lease_expires_at, run_at, deadline, updated_at, finished_at, event_seq,
+               event_type, worker_id, detail, row_version, tenant)
+     ), upd AS (
+        UPDATE jobs j SET state = i.state, result = i.result, error_class = i.error_class,
+            error_message = i.error_message, attempt = i.attempt, progress = i.progress,
+            cancel_requested = i.cancel_requested, cancel_requested_at = i.cancel_requested_at,
+            cost_cents = i.cost_cents, lease_owner = i.lease_owner, lease_token = i.lease_token,
+            lease_expires_at = i.lease_expires_at, run_at = i.run_at, deadline = i.deadline,
+            updated_at = i.updated_at, finished_at = i.finished_at, event_seq = i.event_seq
+        FROM input i
+        WHERE j.ctid = ANY(ARRAY(
+                  SELECT (SELECT f.ctid FROM jobs f WHERE f.tenant = i.tenant AND f.id = i.id)
+                  FROM input i))
+          AND j.id = i.id AND j.event_seq = i.event_seq - 1
+          AND (i.row_version IS NULL OR j.xmin::text = i.row_version)
+          AND (i.row_version IS NULL OR NOT $23 OR NOT EXISTS (
+              SELECT 1 FROM breakers b
+              WHERE b.tenant = j.tenant AND b.queue = j.queue AND b.kind = j.kind))
+        RETURNING j.id
+     )
+     INSERT INTO job_events (job_id, sequence, type, state, attempt, worker_id, at, detail)
+     SELECT i.id, i.event_seq, i.event_type, i.state, i.attempt, i.worker_id, i.updated_at,
+            i.detail
+     FROM input i JOIN upd ON upd.id = i.id
+     RETURNING job_id";
+
 /// The statement behind [`save`] and [`save_unchanged`]; `versions` holds
 /// `None` where the row is locked, and only rows with a version are checked
-/// for a breaker (`breakers_count`). (`j.id = ANY($1)` beside the join gives
-/// the planner the primary-key path even when its statistics say the table
-/// is tiny.)
+/// for a breaker (`breakers_count`).
 async fn write_jobs(
     conn: &mut PgConnection,
     saved: &[(&Job, &JobEvent)],
@@ -654,7 +730,9 @@ async fn write_jobs(
     let mut types = Vec::with_capacity(n);
     let mut workers = Vec::with_capacity(n);
     let mut details = Vec::with_capacity(n);
+    let mut tenants = Vec::with_capacity(n);
     for (job, event) in saved {
+        tenants.push(job.tenant.as_str());
         ids.push(job.id);
         states.push(job.state.as_str());
         results.push(job.result.as_ref().map(Json));
@@ -677,63 +755,33 @@ async fn write_jobs(
         workers.push(event.worker_id.as_deref());
         details.push(event.detail.as_ref().map(Json));
     }
-    let done = sqlx::query(
-        "WITH input AS (
-            SELECT * FROM unnest($1::uuid[], $2::text[], $3::jsonb[], $4::text[], $5::text[],
-                $6::int4[], $7::float8[], $8::bool[], $9::timestamptz[], $10::int8[], $11::text[],
-                $12::text[], $13::timestamptz[], $14::timestamptz[], $15::timestamptz[],
-                $16::timestamptz[], $17::timestamptz[], $18::int8[], $19::text[], $20::text[],
-                $21::jsonb[], $22::text[])
-              AS i(id, state, result, error_class, error_message, attempt, progress,
-                   cancel_requested, cancel_requested_at, cost_cents, lease_owner, lease_token,
-                   lease_expires_at, run_at, deadline, updated_at, finished_at, event_seq,
-                   event_type, worker_id, detail, row_version)
-         ), upd AS (
-            UPDATE jobs j SET state = i.state, result = i.result, error_class = i.error_class,
-                error_message = i.error_message, attempt = i.attempt, progress = i.progress,
-                cancel_requested = i.cancel_requested, cancel_requested_at = i.cancel_requested_at,
-                cost_cents = i.cost_cents, lease_owner = i.lease_owner, lease_token = i.lease_token,
-                lease_expires_at = i.lease_expires_at, run_at = i.run_at, deadline = i.deadline,
-                updated_at = i.updated_at, finished_at = i.finished_at, event_seq = i.event_seq
-            FROM input i
-            WHERE j.id = ANY($1) AND j.id = i.id AND j.event_seq = i.event_seq - 1
-              AND (i.row_version IS NULL OR j.xmin::text = i.row_version)
-              AND (i.row_version IS NULL OR NOT $23 OR NOT EXISTS (
-                  SELECT 1 FROM breakers b
-                  WHERE b.tenant = j.tenant AND b.queue = j.queue AND b.kind = j.kind))
-            RETURNING j.id
-         )
-         INSERT INTO job_events (job_id, sequence, type, state, attempt, worker_id, at, detail)
-         SELECT i.id, i.event_seq, i.event_type, i.state, i.attempt, i.worker_id, i.updated_at,
-                i.detail
-         FROM input i JOIN upd ON upd.id = i.id
-         RETURNING job_id",
-    )
-    .bind(&ids)
-    .bind(&states)
-    .bind(&results)
-    .bind(&error_classes)
-    .bind(&error_messages)
-    .bind(&attempts)
-    .bind(&progress)
-    .bind(&cancel_requested)
-    .bind(&cancel_requested_at)
-    .bind(&costs)
-    .bind(&owners)
-    .bind(&tokens)
-    .bind(&lease_expires)
-    .bind(&run_ats)
-    .bind(&deadlines)
-    .bind(&updated)
-    .bind(&finished)
-    .bind(&seqs)
-    .bind(&types)
-    .bind(&workers)
-    .bind(&details)
-    .bind(versions)
-    .bind(breakers_count)
-    .fetch_all(&mut *conn)
-    .await?;
+    let done = sqlx::query(WRITE_JOBS)
+        .bind(&ids)
+        .bind(&states)
+        .bind(&results)
+        .bind(&error_classes)
+        .bind(&error_messages)
+        .bind(&attempts)
+        .bind(&progress)
+        .bind(&cancel_requested)
+        .bind(&cancel_requested_at)
+        .bind(&costs)
+        .bind(&owners)
+        .bind(&tokens)
+        .bind(&lease_expires)
+        .bind(&run_ats)
+        .bind(&deadlines)
+        .bind(&updated)
+        .bind(&finished)
+        .bind(&seqs)
+        .bind(&types)
+        .bind(&workers)
+        .bind(&details)
+        .bind(versions)
+        .bind(breakers_count)
+        .bind(&tenants)
+        .fetch_all(&mut *conn)
+        .await?;
     done.iter()
         .map(|row| row.try_get("job_id").map_err(StoreError::from))
         .collect()
@@ -1001,9 +1049,9 @@ impl PgStore {
         let mut conn = self.planned.acquire().await?;
         let mut tx = conn.begin().await?;
         // Locked in id order, so concurrent batches cannot deadlock.
-        let locking = concat!(complete_read!(), " FOR UPDATE");
         let ids: Vec<Uuid> = items.iter().map(|item| item.job_id).collect();
-        let mut read = CompleteRead::load(&mut tx, locking, &ids, tenant).await?;
+        let mut read =
+            CompleteRead::load(&mut tx, complete_read!("FOR UPDATE"), &ids, tenant).await?;
         let failures = items
             .iter()
             .any(|item| breaker::failure_of(&item.outcome).is_some());
@@ -1196,9 +1244,9 @@ impl PgStore {
             }
         }
         let mut read = if missing.is_empty() {
-            CompleteRead::from_rows(&[], tenant)?
+            CompleteRead::empty(kept.len())
         } else {
-            CompleteRead::load(conn, complete_read!(), &missing, tenant).await?
+            CompleteRead::load(conn, complete_read!(""), &missing, tenant).await?
         };
         // The database's own time, when a row brought it, beats an estimate.
         if read.jobs.is_empty()
@@ -1848,14 +1896,15 @@ impl Store for PgStore {
         // reaper's row locks longer, nor block claims (it only touches
         // finished rows, which no claim reads). Events have no foreign key
         // (migration 0007): they go in the same statement as their jobs.
+        // The locked rows go by tuple id: no key to plan around.
         let deleted: i64 = sqlx::query_scalar(
             "WITH gone AS (
-                DELETE FROM jobs WHERE id IN (
-                    SELECT id FROM jobs
+                DELETE FROM jobs WHERE ctid = ANY(ARRAY(
+                    SELECT ctid FROM jobs
                     WHERE state IN ('succeeded', 'failed', 'cancelled', 'expired')
                       AND finished_at < now() - $1 * interval '1 millisecond'
                     ORDER BY finished_at LIMIT $2 FOR UPDATE SKIP LOCKED
-                ) RETURNING id
+                )) RETURNING id
              ), events AS (
                 DELETE FROM job_events WHERE job_id IN (SELECT id FROM gone)
              )
@@ -1996,17 +2045,10 @@ mod tests {
     /// an open breaker and a half-open one (one probe of its kind) in play.
     #[tokio::test]
     async fn the_one_tenant_claim_picks_what_the_general_claim_picks() {
-        let admin = admin_url();
-        let name = format!("intray_claim_eq_{}", Uuid::now_v7().simple());
-        let mut conn = PgConnection::connect(&admin).await.expect("connect");
-        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-            .execute(&mut conn)
+        let scratch = Scratch::new("intray_claim_eq").await;
+        let mut db = PgConnection::connect(&scratch.url)
             .await
-            .expect("create the database");
-        let (base, _) = admin.rsplit_once('/').expect("the URL names a database");
-        let url = format!("{base}/{name}");
-        migrate(&url).await.expect("migrate");
-        let mut db = PgConnection::connect(&url).await.expect("connect to it");
+            .expect("connect to it");
         db.execute(
             "INSERT INTO jobs (id, tenant, queue, kind, state, payload, max_attempts, priority,
                  input_hash, run_at, deadline, backoff_initial_ms, backoff_max_ms, created_at,
@@ -2035,10 +2077,125 @@ mod tests {
             assert_eq!(one_tenant, general, "{slots} slots");
         }
         db.close().await.expect("close");
-        sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {name}")))
-            .execute(&mut conn)
+        scratch.drop().await;
+    }
+
+    /// A migrated database of its own for one test.
+    struct Scratch {
+        admin: PgConnection,
+        name: String,
+        url: String,
+    }
+
+    impl Scratch {
+        async fn new(prefix: &str) -> Scratch {
+            let admin_url = admin_url();
+            let name = format!("{prefix}_{}", Uuid::now_v7().simple());
+            let mut admin = PgConnection::connect(&admin_url).await.expect("connect");
+            sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+                .execute(&mut admin)
+                .await
+                .expect("create the database");
+            let (base, _) = admin_url
+                .rsplit_once('/')
+                .expect("the URL names a database");
+            let url = format!("{base}/{name}");
+            migrate(&url).await.expect("migrate");
+            Scratch { admin, name, url }
+        }
+
+        async fn drop(mut self) {
+            sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {}", self.name)))
+                .execute(&mut self.admin)
+                .await
+                .expect("drop the database");
+        }
+    }
+
+    /// The plan of `EXPLAIN EXECUTE {execute}`, as text.
+    async fn plan_of(db: &mut PgConnection, execute: &str) -> String {
+        let rows: Vec<String> =
+            sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN EXECUTE {execute}")))
+                .fetch_all(&mut *db)
+                .await
+                .expect("explain");
+        rows.join("\n")
+    }
+
+    /// The hot path's generic plans last as long as their connection, so a
+    /// plan made while the jobs table was empty must still read jobs by key
+    /// or by tuple id once it holds many: a key condition planned as a
+    /// filter over the tenant's jobs made burn-down eight times slower.
+    #[tokio::test]
+    async fn hot_statements_planned_on_an_empty_table_read_jobs_by_key() {
+        const CLAIM_TYPES: &str = "text, text[], text[], int8, text[], int8[], text[], int8[], \
+                                   int8, bool";
+        const CLAIM_ARGS: &str = "'a', ARRAY['q'], ARRAY[]::text[], 10, \
+            array_fill('w'::text, ARRAY[10]), array_fill(1000::int8, ARRAY[10]), \
+            ARRAY[]::text[], ARRAY[]::int8[], NULL, false";
+        const WRITE_TYPES: &str = "uuid[], text[], jsonb[], text[], text[], int4[], float8[], \
+            bool[], timestamptz[], int8[], text[], text[], timestamptz[], timestamptz[], \
+            timestamptz[], timestamptz[], timestamptz[], int8[], text[], text[], jsonb[], \
+            text[], bool, text[]";
+        const WRITE_ARGS: &str = "ARRAY[gen_random_uuid()], ARRAY['succeeded'], ARRAY['{}'::jsonb], \
+            ARRAY[NULL::text], ARRAY[NULL::text], ARRAY[1], ARRAY[1.0::float8], ARRAY[false], \
+            ARRAY[NULL::timestamptz], ARRAY[0::int8], ARRAY[NULL::text], ARRAY[NULL::text], \
+            ARRAY[NULL::timestamptz], ARRAY[now()], ARRAY[NULL::timestamptz], ARRAY[now()], \
+            ARRAY[now()], ARRAY[3::int8], ARRAY['succeeded'], ARRAY['w'], ARRAY[NULL::jsonb], \
+            ARRAY['1'], true, ARRAY['a']";
+        let statements = [
+            ("one_tenant", CLAIM_TYPES, CLAIM_ONE_TENANT, CLAIM_ARGS),
+            ("general", CLAIM_TYPES, CLAIM, CLAIM_ARGS),
+            (
+                "read_locked",
+                "uuid[], text",
+                complete_read!("FOR UPDATE"),
+                "ARRAY[gen_random_uuid()], 'a'",
+            ),
+            (
+                "read",
+                "uuid[], text",
+                complete_read!(""),
+                "ARRAY[gen_random_uuid()], 'a'",
+            ),
+            ("write", WRITE_TYPES, WRITE_JOBS, WRITE_ARGS),
+        ];
+        let scratch = Scratch::new("intray_young_plans").await;
+        let mut db = PgConnection::connect(&scratch.url)
             .await
-            .expect("drop the database");
+            .expect("connect to it");
+        db.execute(PLANNER_SETTINGS).await.expect("settings");
+        for (name, types, sql, args) in statements {
+            let prepare = format!("PREPARE {name}({types}) AS {sql}");
+            db.execute(sqlx::AssertSqlSafe(prepare))
+                .await
+                .expect("prepare");
+            plan_of(&mut db, &format!("{name}({args})")).await;
+        }
+        db.execute(
+            "INSERT INTO jobs (id, tenant, queue, kind, state, payload, max_attempts, priority,
+                 input_hash, run_at, backoff_initial_ms, backoff_max_ms, created_at, updated_at,
+                 event_seq)
+             SELECT gen_random_uuid(), 'a', 'q', 'k', 'queued', '{}', 3, 0, 'h', now(), 1000,
+                 60000, now(), now(), 1
+             FROM generate_series(1, 20000)",
+        )
+        .await
+        .expect("fill");
+        for (name, _, _, args) in statements {
+            let plan = plan_of(&mut db, &format!("{name}({args})")).await;
+            for wrong in ["Seq Scan on jobs", "Filter: (id = "] {
+                assert!(!plan.contains(wrong), "{name}: {wrong}\n{plan}");
+            }
+            let right = match name {
+                "one_tenant" | "general" => "TID Cond: (ctid = ANY (",
+                "read_locked" | "read" => "Index Cond: ((tenant = $2) AND (id = k.id))",
+                _ => "Index Cond: ((tenant = i_2.tenant) AND (id = i_2.id))",
+            };
+            assert!(plan.contains(right), "{name}: no {right}\n{plan}");
+        }
+        db.close().await.expect("close");
+        scratch.drop().await;
     }
 
     #[test]
