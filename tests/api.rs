@@ -2741,6 +2741,68 @@ async fn complete_where_leased_sees_another_replicas_changes() {
     let done = complete_ok(&mut here, &leased).await;
     assert_eq!(state(&done), St::Cancelled);
     assert_eq!(done.result, None, "the result is discarded");
+
+    // Heartbeats through the granting replica, with progress and without
+    // an event, bring the job it keeps up to date: its Complete there
+    // keeps the progress, in one gap-free history.
+    let job = submit(&mut jobs, "granted", "k", json!({})).await;
+    let leased = lease_one(&mut here, "w1", "granted").await;
+    for progress in [Some(0.25), None, Some(0.75)] {
+        here.heartbeat(pb::HeartbeatRequest {
+            job_id: job.id.clone(),
+            lease_token: leased.lease_token.clone(),
+            extend_by: Some(secs(30)),
+            progress,
+            message: String::new(),
+        })
+        .await
+        .expect("Heartbeat where the lease was granted");
+    }
+    let done = complete_ok(&mut here, &leased).await;
+    assert_eq!(state(&done), St::Succeeded);
+    assert_eq!(done.progress, 0.75);
+    let events = watch_all_until_now(&mut jobs, &job.id).await;
+    assert_eq!(
+        event_types(&events),
+        [
+            Ev::Submitted,
+            Ev::Leased,
+            Ev::Progress,
+            Ev::Progress,
+            Ev::Succeeded
+        ]
+    );
+    assert_eq!(sequences(&events), [1, 2, 3, 4, 5], "one gap-free history");
+
+    // A cancel requested through the other replica, then a heartbeat where
+    // the lease was granted: the heartbeat returns only what heartbeats
+    // change, so the job kept there must not be taken as whole again; the
+    // worker's success ends the job CANCELLED.
+    let job = submit(&mut jobs, "granted", "k", json!({})).await;
+    let leased = lease_one(&mut here, "w1", "granted").await;
+    replica
+        .jobs_client("t")
+        .cancel(pb::CancelJobRequest {
+            id: job.id.clone(),
+            reason: "stop".into(),
+        })
+        .await
+        .expect("Cancel through the other replica");
+    let beat = here
+        .heartbeat(pb::HeartbeatRequest {
+            job_id: job.id.clone(),
+            lease_token: leased.lease_token.clone(),
+            extend_by: None,
+            progress: Some(0.5),
+            message: String::new(),
+        })
+        .await
+        .expect("Heartbeat where the lease was granted")
+        .into_inner();
+    assert!(beat.cancel_requested, "the heartbeat hears of the cancel");
+    let done = complete_ok(&mut here, &leased).await;
+    assert_eq!(state(&done), St::Cancelled);
+    assert_eq!(done.result, None, "the result is discarded");
     replica.stop().await;
     server.stop().await;
 }

@@ -25,6 +25,13 @@
 //! and the database enters it, only the lease's round trip, by which it can
 //! run late (never early).
 //!
+//! A heartbeat through this replica brings the kept job up to date: it
+//! returns the columns heartbeats change and the row version it wrote, and
+//! every other change adds an event, so the copy is whole again if the
+//! event sequence the heartbeat found is the kept one. Otherwise the job is
+//! let go. Jobs that run long heartbeat; without this, every such job's
+//! `Complete` read its row back.
+//!
 //! Memory is bounded: by a count and by the payloads' stored size. When full,
 //! the jobs whose lease has run out are let go (their `Complete` would
 //! fail anyway, or they went to another worker); if that is not enough, a
@@ -56,6 +63,23 @@ pub struct Kept {
     /// The database's time now, estimated from the lease (see the module
     /// documentation).
     pub now: DateTime<Utc>,
+}
+
+/// What a heartbeat through this replica wrote to a job's row: the columns
+/// heartbeats change, as it returned them.
+pub struct Beat {
+    /// The row version it wrote.
+    pub version: String,
+    /// The job's event sequence before it (it adds one event at most).
+    pub event_seq_before: u64,
+    /// The job's event sequence after it.
+    pub event_seq: u64,
+    /// The lease's end after it.
+    pub lease_expires_at: Option<DateTime<Utc>>,
+    /// The progress after it.
+    pub progress: f64,
+    /// The row's change time after it.
+    pub updated_at: DateTime<Utc>,
 }
 
 struct Entry {
@@ -177,13 +201,42 @@ impl Leased {
         })
     }
 
-    /// Lets the job `id` go: this replica is about to change its row (a
-    /// heartbeat), so what is kept would not match it.
-    pub fn forget(&self, id: Uuid) {
-        self.kept
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&id);
+    /// Lets the job `id` of `tenant` go: its row may have changed in a way
+    /// this replica cannot follow (a heartbeat that failed).
+    pub fn forget(&self, tenant: &str, id: Uuid) {
+        let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
+        if kept
+            .jobs
+            .get(&id)
+            .is_some_and(|entry| entry.job.tenant == tenant)
+        {
+            kept.remove(&id);
+        }
+    }
+
+    /// Brings the kept job `id` of `tenant` up to a heartbeat through this
+    /// replica. A heartbeat returns only the columns heartbeats change, so
+    /// the copy is whole again only if nothing else changed the row since
+    /// its lease: every other change adds an event, so the event sequence
+    /// the heartbeat found must be the kept one. Otherwise the job is let
+    /// go, and its `Complete` reads the row.
+    pub fn beat(&self, tenant: &str, id: Uuid, beat: Beat) {
+        let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(entry) = kept.jobs.get_mut(&id) else {
+            return;
+        };
+        if entry.job.tenant != tenant {
+            return;
+        }
+        if entry.job.event_seq != beat.event_seq_before {
+            kept.remove(&id);
+            return;
+        }
+        entry.version = beat.version;
+        entry.job.event_seq = beat.event_seq;
+        entry.job.lease_expires_at = beat.lease_expires_at;
+        entry.job.progress = beat.progress;
+        entry.job.updated_at = beat.updated_at;
     }
 
     /// Jobs kept now.
@@ -238,13 +291,64 @@ mod tests {
         assert!(leased_.take("t1", id).is_some());
     }
 
+    /// What a heartbeat with an event wrote on top of `job`.
+    fn beat_on(job: &Job, version: &str) -> Beat {
+        Beat {
+            version: version.into(),
+            event_seq_before: job.event_seq,
+            event_seq: job.event_seq + 1,
+            lease_expires_at: job.lease_expires_at.map(|at| at + TimeDelta::seconds(30)),
+            progress: 0.5,
+            updated_at: job.updated_at + TimeDelta::seconds(1),
+        }
+    }
+
     #[test]
-    fn a_heartbeat_forgets_the_job() {
+    fn a_heartbeat_on_the_kept_row_brings_the_job_up_to_it() {
         let leased_ = Leased::default();
         let job = leased("t1", Duration::from_secs(60));
         let id = job.id;
+        let beat = beat_on(&job, "2");
+        let (seq, expires, updated) = (beat.event_seq, beat.lease_expires_at, beat.updated_at);
+        assert!(leased_.keep(job.clone(), "1".into(), 10));
+        leased_.beat("t1", id, beat);
+        let kept = leased_.take("t1", id).unwrap();
+        assert_eq!(kept.version, "2");
+        assert_eq!(kept.job.event_seq, seq);
+        assert_eq!(kept.job.lease_expires_at, expires);
+        assert_eq!(kept.job.progress, 0.5);
+        assert_eq!(kept.job.updated_at, updated);
+        assert_eq!(kept.job.lease_token, job.lease_token);
+    }
+
+    #[test]
+    fn a_heartbeat_after_another_change_lets_the_job_go() {
+        let leased_ = Leased::default();
+        let job = leased("t1", Duration::from_secs(60));
+        let id = job.id;
+        let mut beat = beat_on(&job, "3");
+        // A cancel request (one event) came between the lease and the beat.
+        beat.event_seq_before += 1;
+        beat.event_seq += 1;
         assert!(leased_.keep(job, "1".into(), 10));
-        leased_.forget(id);
+        leased_.beat("t1", id, beat);
+        assert!(leased_.take("t1", id).is_none());
+    }
+
+    #[test]
+    fn a_failed_heartbeat_forgets_the_job_and_another_tenants_does_nothing() {
+        let leased_ = Leased::default();
+        let job = leased("t1", Duration::from_secs(60));
+        let id = job.id;
+        let beat = beat_on(&job, "2");
+        assert!(leased_.keep(job, "1".into(), 10));
+        leased_.beat("t2", id, beat);
+        leased_.forget("t2", id);
+        assert_eq!(leased_.take("t1", id).unwrap().version, "1");
+        let job = leased("t1", Duration::from_secs(60));
+        let id = job.id;
+        assert!(leased_.keep(job, "1".into(), 10));
+        leased_.forget("t1", id);
         assert!(leased_.take("t1", id).is_none());
     }
 

@@ -23,7 +23,7 @@ use uuid::Uuid;
 use super::changes::{CHANNEL, Changes, wake_everything, wake_from_payload};
 use super::pg_counts::Counts;
 use super::pg_hot::HotPool;
-use super::pg_leased::Leased;
+use super::pg_leased::{Beat, Leased};
 use super::unreadable::Unreadable;
 use super::{
     Ended, QueueDepth, QueueStatsBuilder, Reaped, Retried, RunningCaps, Stats, Store, StoreError,
@@ -196,9 +196,10 @@ fn event_from_row(row: &PgRow) -> StoreResult<JobEvent> {
 /// that hands nothing off says `false`, which the planner folds away, so
 /// the common statement has no guard to plan (planning it costs more than
 /// running it); one that does materialises the condition, or every use of
-/// `handed` would run the guard again.
+/// `handed` would run the guard again, and returns with each row what
+/// keeping a handed-off job for its `Complete` needs (`$kept`).
 macro_rules! submit_statement {
-    ($materialized:literal, $handed:literal) => {
+    ($materialized:literal, $handed:literal, $kept:literal) => {
         concat!(
             "WITH input AS (
                 SELECT * FROM unnest($2::uuid[], $3::text[], $4::text[], $5::jsonb[], $6::int4[],
@@ -228,7 +229,7 @@ macro_rules! submit_statement {
                     CASE WHEN handed THEN now() END, CASE WHEN handed THEN now() END
                 FROM placed ORDER BY ord
                 ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-                RETURNING *, xmin::text AS row_version, pg_column_size(payload) AS payload_bytes
+                RETURNING *", $kept, "
              ), ev AS (
                 INSERT INTO job_events (job_id, sequence, type, state, attempt, worker_id, at)
                 SELECT id, 1, 'submitted', 'queued', 0, NULL, created_at FROM ins
@@ -279,7 +280,7 @@ const LIST: &str = list_statement!("");
 const LIST_REPLAYABLE: &str = list_statement!(concat!("AND ", in_dead_set!()));
 
 /// [`submit_statement`] for a submit without hand-offs.
-const SUBMIT: &str = submit_statement!("NOT MATERIALIZED", "false");
+const SUBMIT: &str = submit_statement!("NOT MATERIALIZED", "false", "");
 
 /// [`submit_statement`] handing a job off only where a claim made now
 /// would pick it: due, queue not paused, no breaker for its kind, and no
@@ -317,7 +318,8 @@ const SUBMIT_HANDING: &str = submit_statement!(
                            WHERE q.tenant = $1 AND q.queue = i.queue
                              AND q.state = 'queued' AND q.priority = l.priority
                            ORDER BY q.run_at LIMIT 1) <= now()
-                )"
+                )",
+    ", xmin::text AS row_version, pg_column_size(payload) AS payload_bytes"
 );
 
 /// The claim, with what each candidate carries besides its job (`$loads`)
@@ -598,6 +600,21 @@ impl CompleteRead {
         }
         Ok(read)
     }
+}
+
+/// What a heartbeat's statement returned, for the kept lease;
+/// `with_event`: whether it added an event.
+fn beat_from_row(row: &PgRow, with_event: bool) -> StoreResult<Beat> {
+    let event_seq =
+        u64::try_from(row.try_get::<i64, _>("event_seq")?).map_err(|_| corrupt("event_seq"))?;
+    Ok(Beat {
+        version: row.try_get("row_version")?,
+        event_seq_before: event_seq.saturating_sub(u64::from(with_event)),
+        event_seq,
+        lease_expires_at: row.try_get("lease_expires_at")?,
+        progress: row.try_get("progress")?,
+        updated_at: row.try_get("updated_at")?,
+    })
 }
 
 /// The jobs and events of the outcomes that ended an attempt, for [`save`].
@@ -1776,7 +1793,6 @@ impl Store for PgStore {
 
     #[tracing::instrument(name = "store.heartbeat", skip_all, fields(job_id = %spec.job_id))]
     async fn heartbeat(&self, tenant: &str, spec: &HeartbeatSpec) -> StoreResult<HeartbeatAck> {
-        self.leased.forget(spec.job_id);
         let with_event = spec.progress.is_some() || spec.message.is_some();
         // Once a cancel is requested the lease no longer grows: it ends at the
         // cancel grace at the latest.
@@ -1790,14 +1806,15 @@ impl Store for PgStore {
                     updated_at = GREATEST(updated_at, now()),
                     event_seq = event_seq + CASE WHEN $7 THEN 1 ELSE 0 END
                 WHERE id = $1 AND tenant = $2 AND lease_token = $3 AND state = 'running'
-                RETURNING id, event_seq, attempt, lease_owner, lease_expires_at, cancel_requested, progress, updated_at
+                RETURNING id, event_seq, attempt, lease_owner, lease_expires_at, cancel_requested,
+                    progress, updated_at, xmin::text AS row_version
              ), ev AS (
                 INSERT INTO job_events (job_id, sequence, type, state, attempt, worker_id, at, detail)
                 SELECT id, event_seq, 'progress', 'running', attempt, lease_owner, updated_at,
                        jsonb_strip_nulls(jsonb_build_object('progress', progress, 'message', $6::text))
                 FROM upd WHERE $7
              )
-             SELECT lease_expires_at, cancel_requested FROM upd",
+             SELECT * FROM upd",
         )
         .bind(spec.job_id)
         .bind(tenant)
@@ -1807,24 +1824,33 @@ impl Store for PgStore {
         .bind(spec.message.as_deref())
         .bind(with_event)
         .fetch_optional(&self.pool)
-        .await?;
-        match row {
-            Some(row) => {
-                if with_event {
-                    let mut changes = Changes::default();
-                    changes.watched(spec.job_id);
-                    self.committed(changes);
-                }
-                Ok(HeartbeatAck {
-                    lease_expires_at: row.try_get("lease_expires_at")?,
-                    cancel_requested: row.try_get("cancel_requested")?,
-                })
-            }
-            None => {
+        .await;
+        let row = match row {
+            Ok(Some(row)) => row,
+            Ok(None) => {
+                self.leased.forget(tenant, spec.job_id);
                 self.get(tenant, spec.job_id).await?;
-                Err(StoreError::LeaseLost)
+                return Err(StoreError::LeaseLost);
             }
+            Err(e) => {
+                self.leased.forget(tenant, spec.job_id);
+                return Err(e.into());
+            }
+        };
+        if with_event {
+            let mut changes = Changes::default();
+            changes.watched(spec.job_id);
+            self.committed(changes);
         }
+        let ack = HeartbeatAck {
+            lease_expires_at: row.try_get("lease_expires_at")?,
+            cancel_requested: row.try_get("cancel_requested")?,
+        };
+        match beat_from_row(&row, with_event) {
+            Ok(beat) => self.leased.beat(tenant, spec.job_id, beat),
+            Err(_) => self.leased.forget(tenant, spec.job_id),
+        }
+        Ok(ack)
     }
 
     #[tracing::instrument(name = "store.complete", skip_all, fields(count = items.len()))]
