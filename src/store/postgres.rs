@@ -698,8 +698,8 @@ const WRITE_JOBS: &str = "WITH input AS (
             updated_at = i.updated_at, finished_at = i.finished_at, event_seq = i.event_seq
         FROM input i
         WHERE j.ctid = ANY(ARRAY(
-                  SELECT (SELECT f.ctid FROM jobs f WHERE f.tenant = i.tenant AND f.id = i.id)
-                  FROM input i))
+                  SELECT (SELECT f.ctid FROM jobs f WHERE f.tenant = w.tenant AND f.id = w.id)
+                  FROM input w))
           AND j.id = i.id AND j.event_seq = i.event_seq - 1
           AND (i.row_version IS NULL OR j.xmin::text = i.row_version)
           AND (i.row_version IS NULL OR NOT $23 OR NOT EXISTS (
@@ -2216,7 +2216,7 @@ mod tests {
             let right = match name {
                 "one_tenant" | "general" => "TID Cond: (ctid = ANY (",
                 "read_locked" | "read" => "Index Cond: ((tenant = $2) AND (id = k.id))",
-                _ => "Index Cond: ((tenant = i_2.tenant) AND (id = i_2.id))",
+                _ => "Index Cond: ((tenant = w.tenant) AND (id = w.id))",
             };
             assert!(plan.contains(right), "{name}: no {right}\n{plan}");
         }
