@@ -12,6 +12,11 @@
 -- 2026-12-05, session 19").
 --
 -- Job ids stay unique: they are UUIDv7s the server makes.
+--
+-- Not for a rolling update: the jobs table is locked while the new key is
+-- built (0.9 s for a million jobs on the development machine), and pods
+-- of an earlier build find jobs by id alone, which no index serves once
+-- it has run. Stop them first (README, "Upgrades and migrations").
 ALTER TABLE webhook_deliveries DROP CONSTRAINT webhook_deliveries_job_id_fkey;
 ALTER TABLE jobs DROP CONSTRAINT jobs_pkey;
 ALTER TABLE jobs ADD PRIMARY KEY (tenant, id);
