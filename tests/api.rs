@@ -2728,16 +2728,8 @@ async fn complete_where_leased_sees_another_replicas_changes() {
     // A cancel requested through the other replica: the worker's success
     // where the lease was granted ends the job CANCELLED, its result
     // discarded, as on one replica.
-    let job = submit(&mut jobs, "granted", "k", json!({})).await;
-    let leased = lease_one(&mut here, "w1", "granted").await;
-    replica
-        .jobs_client("t")
-        .cancel(pb::CancelJobRequest {
-            id: job.id.clone(),
-            reason: "stop".into(),
-        })
-        .await
-        .expect("Cancel through the other replica");
+    let mut jobs_there = replica.jobs_client("t");
+    let leased = leased_then_cancelled_there(&mut jobs, &mut here, &mut jobs_there).await;
     let done = complete_ok(&mut here, &leased).await;
     assert_eq!(state(&done), St::Cancelled);
     assert_eq!(done.result, None, "the result is discarded");
@@ -2778,19 +2770,10 @@ async fn complete_where_leased_sees_another_replicas_changes() {
     // the lease was granted: the heartbeat returns only what heartbeats
     // change, so the job kept there must not be taken as whole again; the
     // worker's success ends the job CANCELLED.
-    let job = submit(&mut jobs, "granted", "k", json!({})).await;
-    let leased = lease_one(&mut here, "w1", "granted").await;
-    replica
-        .jobs_client("t")
-        .cancel(pb::CancelJobRequest {
-            id: job.id.clone(),
-            reason: "stop".into(),
-        })
-        .await
-        .expect("Cancel through the other replica");
+    let leased = leased_then_cancelled_there(&mut jobs, &mut here, &mut jobs_there).await;
     let beat = here
         .heartbeat(pb::HeartbeatRequest {
-            job_id: job.id.clone(),
+            job_id: leased.job_id.clone(),
             lease_token: leased.lease_token.clone(),
             extend_by: None,
             progress: Some(0.5),
@@ -2805,6 +2788,26 @@ async fn complete_where_leased_sees_another_replicas_changes() {
     assert_eq!(done.result, None, "the result is discarded");
     replica.stop().await;
     server.stop().await;
+}
+
+/// Submits a job to queue `granted`, leases it to `w1` through `here` and
+/// cancels it through `there` (another replica's client): the lease the
+/// cancel request reaches.
+async fn leased_then_cancelled_there(
+    jobs: &mut JobsClient,
+    here: &mut WorkersClient,
+    there: &mut JobsClient,
+) -> pb::LeasedJob {
+    let job = submit(jobs, "granted", "k", json!({})).await;
+    let leased = lease_one(here, "w1", "granted").await;
+    there
+        .cancel(pb::CancelJobRequest {
+            id: job.id,
+            reason: "stop".into(),
+        })
+        .await
+        .expect("Cancel through the other replica");
+    leased
 }
 
 /// Submits a job to queue `granted`, leases it to `w1` through `here` for
