@@ -2703,17 +2703,11 @@ async fn complete_where_leased_sees_another_replicas_changes() {
     // A lease extended through the other replica past the end the granting
     // replica knows of: its Complete there is still in time.
     let job = submit(&mut jobs, "granted", "k", json!({})).await;
-    let leased = here
-        .lease(short_lease_req("w1", "granted", 1, Duration::ZERO))
-        .await
-        .expect("Lease")
-        .into_inner()
-        .jobs;
-    assert_eq!(leased.len(), 1, "the job is leased");
+    let leased = leased_for_a_second(&mut here).await;
     there
         .heartbeat(pb::HeartbeatRequest {
             job_id: job.id.clone(),
-            lease_token: leased[0].lease_token.clone(),
+            lease_token: leased.lease_token.clone(),
             extend_by: Some(secs(30)),
             progress: None,
             message: String::new(),
@@ -2721,7 +2715,7 @@ async fn complete_where_leased_sees_another_replicas_changes() {
         .await
         .expect("Heartbeat through the other replica");
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let done = complete_ok(&mut here, &leased[0]).await;
+    let done = complete_ok(&mut here, &leased).await;
     assert_eq!(state(&done), St::Succeeded);
     assert_eq!(done.attempt, 1);
 
@@ -2819,15 +2813,21 @@ async fn run_out_and_leased_again(
     there: &mut WorkersClient,
 ) -> (pb::LeasedJob, pb::LeasedJob) {
     let job = submit(jobs, "granted", "k", json!({})).await;
-    let mut first = here
+    let first = leased_for_a_second(here).await;
+    wait_for_state(jobs, &job.id, St::Queued, Duration::from_secs(8)).await;
+    let second = lease_one(there, "w2", "granted").await;
+    assert_eq!(second.job_id, job.id);
+    (first, second)
+}
+
+/// Leases one job of queue `granted` to `w1` for a second.
+async fn leased_for_a_second(workers: &mut WorkersClient) -> pb::LeasedJob {
+    let mut leased = workers
         .lease(short_lease_req("w1", "granted", 1, Duration::ZERO))
         .await
         .expect("Lease")
         .into_inner()
         .jobs;
-    assert_eq!(first.len(), 1, "the job is leased");
-    wait_for_state(jobs, &job.id, St::Queued, Duration::from_secs(8)).await;
-    let second = lease_one(there, "w2", "granted").await;
-    assert_eq!(second.job_id, job.id);
-    (first.remove(0), second)
+    assert_eq!(leased.len(), 1, "the job is leased");
+    leased.remove(0)
 }
