@@ -1,10 +1,15 @@
 //! The coalescers of the hot path: unary `Submit`, `Lease` and `Complete`
 //! calls of one replica share transactions (see [`super::coalesce`]).
+//!
+//! `Lease` and `Complete` calls share one coalescer: a worker completes a
+//! job and asks for the next, so both kinds are waiting at any moment, and
+//! one statement for both ([`Store::complete_and_lease`]) costs less than a
+//! statement each.
 
 use std::sync::Arc;
 
 use crate::domain::{CompleteSpec, Job, LeaseSpec, NewJob};
-use crate::store::{Ended, Store, StoreResult, Submitted};
+use crate::store::{Ended, Store, StoreError, StoreResult, Submitted};
 
 use super::coalesce::{Coalescer, Flush, FlushFuture, Sizing};
 use super::handoff::{self, Parked, Parking};
@@ -21,20 +26,19 @@ const MAX_WEIGHT: usize = 1000;
 /// still overlap.
 const OVERLAP_WEIGHT: usize = 32;
 
-/// The three coalescers, sharing one store, and the idle `Lease` calls that
+/// The two coalescers, sharing one store, and the idle `Lease` calls that
 /// submits may hand jobs to.
 pub struct Batchers {
     store: Arc<dyn Store>,
     parking: Arc<Parking>,
     submit: Coalescer<SubmitFlush>,
-    lease: Coalescer<LeaseFlush>,
-    complete: Coalescer<CompleteFlush>,
+    work: Coalescer<WorkFlush>,
 }
 
 impl Batchers {
     /// Starts the coalescing tasks: the submit one runs at most
-    /// `submit_in_flight` transactions at once, the lease and complete
-    /// ones `in_flight` each.
+    /// `submit_in_flight` transactions at once, the lease and complete one
+    /// `in_flight`.
     pub fn start(store: Arc<dyn Store>, submit_in_flight: usize, in_flight: usize) -> Self {
         let parking = Arc::new(Parking::default());
         let submit = SubmitFlush {
@@ -48,8 +52,7 @@ impl Batchers {
         };
         Batchers {
             submit: Coalescer::start(submit, sizing(submit_in_flight)),
-            lease: Coalescer::start(LeaseFlush(Arc::clone(&store)), sizing(in_flight)),
-            complete: Coalescer::start(CompleteFlush(Arc::clone(&store)), sizing(in_flight)),
+            work: Coalescer::start(WorkFlush(Arc::clone(&store)), sizing(in_flight)),
             store,
             parking,
         }
@@ -78,26 +81,38 @@ impl Batchers {
     }
 
     /// One claim, in a statement shared with concurrent claims of the same
-    /// tenant, queues and kinds.
+    /// tenant, queues and kinds (and with completes of the same tenant).
     pub async fn lease(&self, tenant: &str, spec: &LeaseSpec) -> StoreResult<Vec<Job>> {
-        let shape = LeaseShape {
-            tenant: tenant.to_owned(),
-            queues: spec.queues.clone(),
-            kinds: spec.kinds.clone(),
-            all_tenants: spec.all_tenants,
-        };
-        self.lease.call(shape, spec.clone()).await
+        match self
+            .work
+            .call(tenant.to_owned(), Work::Lease(spec.clone()))
+            .await?
+        {
+            Done::Leased(jobs) => jobs,
+            Done::Completed(_) => Err(mismatched()),
+        }
     }
 
     /// Applies one outcome, in a transaction shared with concurrent
-    /// completes of the same tenant.
+    /// completes (and claims) of the same tenant.
     pub async fn complete(
         &self,
         tenant: &str,
         spec: CompleteSpec,
     ) -> StoreResult<StoreResult<Ended>> {
-        self.complete.call(tenant.to_owned(), spec).await
+        match self
+            .work
+            .call(tenant.to_owned(), Work::Complete(spec))
+            .await?
+        {
+            Done::Completed(ended) => Ok(*ended),
+            Done::Leased(_) => Err(mismatched()),
+        }
     }
+}
+
+fn mismatched() -> StoreError {
+    StoreError::Internal("a coalesced call got the answer of another kind".into())
 }
 
 struct SubmitFlush {
@@ -119,49 +134,130 @@ impl Flush for SubmitFlush {
     }
 }
 
-struct CompleteFlush(Arc<dyn Store>);
-
-impl Flush for CompleteFlush {
-    type Key = String;
-    type Call = CompleteSpec;
-    type Answer = StoreResult<Ended>;
-
-    fn weight(_: &CompleteSpec) -> usize {
-        1
-    }
-
-    fn flush(&self, tenant: String, items: Vec<CompleteSpec>) -> FlushFuture<'_, Self::Answer> {
-        Box::pin(async move { self.0.complete(&tenant, items).await })
-    }
+/// A worker's call.
+#[derive(Clone, Debug)]
+enum Work {
+    Lease(LeaseSpec),
+    Complete(CompleteSpec),
 }
 
-/// Claims that can be one statement: same tenant, queues, kinds and scope.
+/// A worker's answer: a claim's jobs, or one outcome applied.
+enum Done {
+    Leased(StoreResult<Vec<Job>>),
+    /// Boxed: an ended job is large beside a list of jobs.
+    Completed(Box<StoreResult<Ended>>),
+}
+
+/// Claims that can be one statement: same queues, kinds and scope (the
+/// tenant is the coalescer's key).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct LeaseShape {
-    tenant: String,
     queues: Vec<String>,
     kinds: Vec<String>,
     all_tenants: bool,
 }
 
-struct LeaseFlush(Arc<dyn Store>);
+impl LeaseShape {
+    fn of(spec: &LeaseSpec) -> Self {
+        LeaseShape {
+            queues: spec.queues.clone(),
+            kinds: spec.kinds.clone(),
+            all_tenants: spec.all_tenants,
+        }
+    }
+}
 
-impl Flush for LeaseFlush {
-    type Key = LeaseShape;
-    type Call = LeaseSpec;
-    type Answer = Vec<Job>;
+struct WorkFlush(Arc<dyn Store>);
 
-    fn weight(spec: &LeaseSpec) -> usize {
-        spec.max_jobs as usize
+impl Flush for WorkFlush {
+    type Key = String;
+    type Call = Work;
+    type Answer = Done;
+
+    fn weight(call: &Work) -> usize {
+        match call {
+            Work::Lease(spec) => spec.max_jobs as usize,
+            Work::Complete(_) => 1,
+        }
     }
 
-    fn flush(&self, shape: LeaseShape, specs: Vec<LeaseSpec>) -> FlushFuture<'_, Vec<Job>> {
-        Box::pin(async move { self.0.lease(&shape.tenant, &specs).await })
+    /// The completes with the claims of the first shape in one store call,
+    /// then the claims of any other shape, each in a statement of its own.
+    /// Only the first call's failure fails the batch (to be run again one
+    /// call at a time), so the others wait for it: nothing of theirs may
+    /// have committed by then.
+    fn flush(&self, tenant: String, calls: Vec<Work>) -> FlushFuture<'_, Done> {
+        Box::pin(async move {
+            let mut completes = Vec::new();
+            let mut shapes: Vec<(LeaseShape, Vec<usize>, Vec<LeaseSpec>)> = Vec::new();
+            for (index, call) in calls.into_iter().enumerate() {
+                match call {
+                    Work::Complete(spec) => completes.push((index, spec)),
+                    Work::Lease(spec) => {
+                        let shape = LeaseShape::of(&spec);
+                        match shapes.iter_mut().find(|(s, _, _)| *s == shape) {
+                            Some((_, indexes, specs)) => {
+                                indexes.push(index);
+                                specs.push(spec);
+                            }
+                            None => shapes.push((shape, vec![index], vec![spec])),
+                        }
+                    }
+                }
+            }
+            let total = completes.len() + shapes.iter().map(|(_, i, _)| i.len()).sum::<usize>();
+            let (complete_at, items): (Vec<usize>, Vec<CompleteSpec>) =
+                completes.into_iter().unzip();
+            let mut shapes = shapes.into_iter();
+            let (first_at, first_specs) = shapes
+                .next()
+                .map(|(_, indexes, specs)| (indexes, specs))
+                .unwrap_or_default();
+            let (ended, first_leased) = self
+                .0
+                .complete_and_lease(&tenant, items, &first_specs)
+                .await?;
+            let others = futures::future::join_all(shapes.map(|(_, indexes, specs)| {
+                let store = &self.0;
+                let tenant = &tenant;
+                async move { (indexes, store.lease(tenant, &specs).await) }
+            }))
+            .await;
+            let mut answers: Vec<Option<Done>> = (0..total).map(|_| None).collect();
+            for (index, ended) in complete_at.into_iter().zip(ended) {
+                answers[index] = Some(Done::Completed(Box::new(ended)));
+            }
+            for (indexes, leased) in std::iter::once((first_at, first_leased)).chain(others) {
+                spread(&mut answers, indexes, leased);
+            }
+            answers
+                .into_iter()
+                .map(|answer| answer.ok_or_else(mismatched))
+                .collect()
+        })
     }
 
     /// Jobs claimed for a caller that went away are not left to sit out
     /// their lease.
-    fn orphaned(&self, jobs: Vec<Job>) {
-        handoff::end_leases(&self.0, jobs);
+    fn orphaned(&self, answer: Done) {
+        if let Done::Leased(Ok(jobs)) = answer {
+            handoff::end_leases(&self.0, jobs);
+        }
+    }
+}
+
+/// Hands each caller at `indexes` its share of one claim, or the claim's error.
+fn spread(answers: &mut [Option<Done>], indexes: Vec<usize>, leased: StoreResult<Vec<Vec<Job>>>) {
+    match leased {
+        Ok(jobs) => {
+            for (index, jobs) in indexes.into_iter().zip(jobs) {
+                answers[index] = Some(Done::Leased(Ok(jobs)));
+            }
+        }
+        Err(err) => {
+            for index in indexes {
+                answers[index] = Some(Done::Leased(Err(err.clone())));
+            }
+        }
     }
 }

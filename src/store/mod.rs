@@ -296,6 +296,26 @@ pub trait Store: Send + Sync + 'static {
         items: Vec<CompleteSpec>,
     ) -> StoreResult<Vec<StoreResult<Ended>>>;
 
+    /// [`Store::complete`] of `items`, then [`Store::lease`] for `specs`,
+    /// in one statement where the backend can. An error of the claim after
+    /// outcomes have committed is the claim's alone (the outcomes stand);
+    /// without outcomes it is the call's.
+    async fn complete_and_lease(
+        &self,
+        tenant: &str,
+        items: Vec<CompleteSpec>,
+        specs: &[LeaseSpec],
+    ) -> StoreResult<(Vec<StoreResult<Ended>>, StoreResult<Vec<Vec<Job>>>)> {
+        if items.is_empty() {
+            return Ok((Vec::new(), Ok(self.lease(tenant, specs).await?)));
+        }
+        let ended = self.complete(tenant, items).await?;
+        if specs.is_empty() {
+            return Ok((ended, Ok(Vec::new())));
+        }
+        Ok((ended, self.lease(tenant, specs).await))
+    }
+
     /// One reaper pass over at most `batch` rows of each kind, deleting
     /// jobs finished more than `retention` ago. Safe to run from several
     /// replicas at once.
