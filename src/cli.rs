@@ -64,7 +64,7 @@ pub struct ServeArgs {
           value_parser = clap::value_parser!(u32).range(3..))]
     pub max_connections: u32,
 
-    /// Shared transactions that each of the Lease and Complete coalescers
+    /// Shared transactions that the coalescer of Lease and Complete calls
     /// may run at once. Concurrent unary calls queue up behind them and go
     /// into the next shared transaction; 1 gives the largest batches, more
     /// overlaps commits (only for batches of 32 jobs or more: a smaller one

@@ -17,8 +17,8 @@ pub struct Settings {
     /// pool and the other one (see `PgStore::open`); at least 3, or the
     /// pools are given 1 and 2 anyway.
     pub max_connections: u32,
-    /// Shared transactions the lease and complete coalescers may each run
-    /// at once.
+    /// Shared transactions the coalescer of lease and complete calls may
+    /// run at once.
     pub coalesce_in_flight: usize,
     /// Shared transactions the submit coalescer may run at once.
     pub submit_in_flight: usize,

@@ -21,7 +21,8 @@ const MAX_WEIGHT: usize = 1000;
 /// (see [`Sizing::overlap_weight`]). A claim's fixed cost is about that of
 /// ten jobs' rows (in psql: 0.73 ms for one job, 5.99 ms for 100); e2e (32
 /// workers leasing one job each) ran 5-13 % faster with 32 than with
-/// overlapping every batch, and 8 measured the same as 32
+/// overlapping every batch. With `Lease` and `Complete` in one batch, 8
+/// and 16 made e2e slower again and 64 measured the same as 32
 /// (docs/performance-log.md). Burn-down's leases ask for 100 jobs each and
 /// still overlap.
 const OVERLAP_WEIGHT: usize = 32;
