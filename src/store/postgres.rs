@@ -2441,7 +2441,36 @@ mod tests {
             let sequences: Vec<u64> = events.iter().map(|e| e.sequence).collect();
             assert_eq!(sequences, [1, 2, 3], "{state}: one event per transition");
         }
-        assert_eq!(store.queued_count(tenant, "q").await.expect("count"), 2);
+        // The count triggers saw both updates of the one statement.
+        let mut counted: Vec<(String, u64)> = store
+            .counts
+            .read(Some(tenant), Some("q"))
+            .await
+            .expect("counts")
+            .into_iter()
+            .filter(|c| c.n > 0)
+            .map(|c| (c.state, c.n))
+            .collect();
+        counted.sort();
+        let in_table: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT state, count(*) FROM jobs WHERE tenant = 'default' GROUP BY state ORDER BY state",
+        )
+        .fetch_all(&store.pool)
+        .await
+        .expect("count the table");
+        let in_table: Vec<(String, u64)> = in_table
+            .into_iter()
+            .map(|(state, n)| (state, n.unsigned_abs()))
+            .collect();
+        assert_eq!(counted, in_table);
+        assert_eq!(
+            in_table,
+            [
+                ("queued".to_owned(), 2),
+                ("running".to_owned(), 3),
+                ("succeeded".to_owned(), 1)
+            ]
+        );
 
         // A stale token: nothing to write, and the claim runs on its own.
         let stale = outcome_for(
