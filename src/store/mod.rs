@@ -306,14 +306,7 @@ pub trait Store: Send + Sync + 'static {
         items: Vec<CompleteSpec>,
         specs: &[LeaseSpec],
     ) -> StoreResult<(Vec<StoreResult<Ended>>, StoreResult<Vec<Vec<Job>>>)> {
-        if items.is_empty() {
-            return Ok((Vec::new(), Ok(self.lease(tenant, specs).await?)));
-        }
-        let ended = self.complete(tenant, items).await?;
-        if specs.is_empty() {
-            return Ok((ended, Ok(Vec::new())));
-        }
-        Ok((ended, self.lease(tenant, specs).await))
+        complete_then_lease(self, tenant, items, specs).await
     }
 
     /// One reaper pass over at most `batch` rows of each kind, deleting
@@ -339,6 +332,23 @@ pub trait Store: Send + Sync + 'static {
     /// The webhook outbox on the same database (and, on SQLite, the same
     /// single writer).
     fn outbox(&self) -> Arc<dyn outbox::Outbox>;
+}
+
+/// [`Store::complete_and_lease`] as two store calls, one after the other.
+async fn complete_then_lease<S: Store + ?Sized>(
+    store: &S,
+    tenant: &str,
+    items: Vec<CompleteSpec>,
+    specs: &[LeaseSpec],
+) -> StoreResult<(Vec<StoreResult<Ended>>, StoreResult<Vec<Vec<Job>>>)> {
+    if items.is_empty() {
+        return Ok((Vec::new(), Ok(store.lease(tenant, specs).await?)));
+    }
+    let ended = store.complete(tenant, items).await?;
+    if specs.is_empty() {
+        return Ok((ended, Ok(Vec::new())));
+    }
+    Ok((ended, store.lease(tenant, specs).await))
 }
 
 /// Opens the database named by `settings.database_url`, applies migrations,

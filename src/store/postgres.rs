@@ -1958,11 +1958,7 @@ impl Store for PgStore {
             .filter(|claim| claim.follows_a_write() && !items.is_empty())
             .filter(|_| self.breaker.threshold == 0 || !failures);
         let Some(claim) = with_write else {
-            if items.is_empty() {
-                return Ok((Vec::new(), Ok(self.lease(tenant, specs).await?)));
-            }
-            let ended = self.complete(tenant, items).await?;
-            return Ok((ended, self.lease(tenant, specs).await));
+            return super::complete_then_lease(self, tenant, items, specs).await;
         };
         let (ended, leased) = self.complete_unlocked(tenant, items, Some(claim)).await?;
         let leased = match leased {
