@@ -530,6 +530,8 @@ const CLAIM_ONE_TENANT: &str = claim_statement!(
 /// worker. Every spec shares the queues, kinds and scope of the first.
 struct Claim<'a> {
     specs: &'a [LeaseSpec],
+    queues: &'a [String],
+    kinds: &'a [String],
     /// The caller's tenant, or none for a claim across tenants.
     only_tenant: Option<&'a str>,
     /// Whether loads are counted: across tenants, or under caps (`$10`).
@@ -548,6 +550,8 @@ impl<'a> Claim<'a> {
             .collect();
         Some(Claim {
             specs,
+            queues: &spec.queues,
+            kinds: &spec.kinds,
             only_tenant: (!spec.all_tenants).then_some(tenant),
             counted: spec.all_tenants || capped,
             slot_caller,
@@ -591,15 +595,10 @@ impl<'a> Claim<'a> {
             workers.push(spec.worker_id.as_str());
             lease_ms.push(millis(spec.lease_duration));
         }
-        let (queues, kinds) = self
-            .specs
-            .first()
-            .map(|spec| (spec.queues.as_slice(), spec.kinds.as_slice()))
-            .unwrap_or_default();
         query
             .bind(self.only_tenant)
-            .bind(queues)
-            .bind(kinds)
+            .bind(self.queues)
+            .bind(self.kinds)
             .bind(i64::try_from(self.slot_caller.len()).unwrap_or(i64::MAX))
             .bind(&workers)
             .bind(&lease_ms)
@@ -1467,6 +1466,15 @@ impl PgStore {
         Ok((read, from_lease))
     }
 
+    /// Whether an outcome of `items` counts against a circuit breaker, which
+    /// only [`Self::complete_locked`] may change.
+    fn needs_breaker_locks(&self, items: &[CompleteSpec]) -> bool {
+        self.breaker.threshold > 0
+            && items
+                .iter()
+                .any(|item| breaker::failure_of(&item.outcome).is_some())
+    }
+
     /// The jobs a committed claim returned, per caller in claim order, each
     /// kept for its `Complete`. A row that cannot be read stays leased to
     /// nobody (see `unreadable`), and the others are answered.
@@ -1950,13 +1958,9 @@ impl Store for PgStore {
         specs: &[LeaseSpec],
     ) -> StoreResult<(Vec<StoreResult<Ended>>, StoreResult<Vec<Vec<Job>>>)> {
         let claim = Claim::new(tenant, specs, self.caps.any());
-        let failures = items
-            .iter()
-            .any(|item| breaker::failure_of(&item.outcome).is_some());
-        let with_write = claim
-            .as_ref()
-            .filter(|claim| claim.follows_a_write() && !items.is_empty())
-            .filter(|_| self.breaker.threshold == 0 || !failures);
+        let with_write = claim.as_ref().filter(|claim| {
+            claim.follows_a_write() && !items.is_empty() && !self.needs_breaker_locks(&items)
+        });
         let Some(claim) = with_write else {
             return super::complete_then_lease(self, tenant, items, specs).await;
         };
@@ -2055,10 +2059,7 @@ impl Store for PgStore {
         tenant: &str,
         items: Vec<CompleteSpec>,
     ) -> StoreResult<Vec<StoreResult<Ended>>> {
-        let failures = items
-            .iter()
-            .any(|item| breaker::failure_of(&item.outcome).is_some());
-        if self.breaker.threshold > 0 && failures {
+        if self.needs_breaker_locks(&items) {
             return self.complete_locked(tenant, items).await;
         }
         Ok(self.complete_unlocked(tenant, items, None).await?.0)
