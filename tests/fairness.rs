@@ -16,6 +16,7 @@ common::backend_tests!(
     a_small_tenant_is_not_starved_by_a_big_one,
     running_cap_per_tenant_and_queue,
     all_tenants_lease_respects_pause_and_caps,
+    running_cap_holds_across_replicas,
 );
 
 fn shared_lease(worker: &str, queue: &str, max_jobs: u32) -> pb::LeaseRequest {
@@ -188,4 +189,69 @@ async fn all_tenants_lease_respects_pause_and_caps(backend: Backend) {
         "one job per tenant (cap 1), none from the paused tenant queue"
     );
     server.stop().await;
+}
+
+/// Sixteen workers on two replicas of one database race for a queue capped
+/// at three running jobs; every fourth leases across tenants, the others for
+/// the tenant. A worker counts a job as held from its `Lease` answer (after
+/// the claim committed) until just before its `Complete` (the job is still
+/// running then), so the count never exceeds the jobs the database has
+/// running: a count above the cap is a cap broken.
+async fn running_cap_holds_across_replicas(backend: Backend) {
+    const CAP: usize = 3;
+    const JOBS: usize = 120;
+    let first =
+        TestServer::start_with(backend, |s| s.max_running_per_tenant = Some(CAP as u32)).await;
+    let second = first.start_replica().await;
+    let mut jobs = first.jobs_client("t");
+    submit_many(&mut jobs, "capped", JOBS).await;
+
+    let held = Arc::new(AtomicUsize::new(0));
+    let most_held = Arc::new(AtomicUsize::new(0));
+    let done = Arc::new(AtomicUsize::new(0));
+    let mut workers = Vec::new();
+    for w in 0..16 {
+        let server = if w % 2 == 0 { &first } else { &second };
+        let across = w % 4 == 3;
+        let mut client = server
+            .workers_client_own_conn(if across { "ops" } else { "t" })
+            .await;
+        let (held, most_held, done) =
+            (Arc::clone(&held), Arc::clone(&most_held), Arc::clone(&done));
+        workers.push(tokio::spawn(async move {
+            let worker = format!("w{w}");
+            while done.load(Ordering::SeqCst) < JOBS {
+                let ask = if across {
+                    shared_lease(&worker, "capped", 2)
+                } else {
+                    lease_req(&worker, "capped", 2, Duration::from_millis(100))
+                };
+                let leased = client.lease(ask).await.expect("Lease").into_inner().jobs;
+                for job in leased {
+                    let now = held.fetch_add(1, Ordering::SeqCst) + 1;
+                    most_held.fetch_max(now, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    held.fetch_sub(1, Ordering::SeqCst);
+                    client
+                        .complete(req(&job.tenant, success_req(&job, json!(null))))
+                        .await
+                        .expect("Complete with the job's tenant");
+                    done.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        }));
+    }
+    for worker in workers {
+        within(Duration::from_secs(60), "worker", worker)
+            .await
+            .expect("worker task");
+    }
+    assert_eq!(done.load(Ordering::SeqCst), JOBS, "every job ran once");
+    assert_eq!(
+        most_held.load(Ordering::SeqCst),
+        CAP,
+        "the cap was reached and never passed, across both replicas"
+    );
+    second.stop().await;
+    first.stop().await;
 }

@@ -525,6 +525,24 @@ const CLAIM_ONE_TENANT: &str = claim_statement!(
                 LIMIT $4"
 );
 
+/// Taken by a claim under running caps before it counts, in the same
+/// transaction. A claim counts running jobs in its statement's snapshot, so
+/// two that ran at once, on two replicas or side by side in one, each
+/// counted without the other's jobs and together passed the cap (test
+/// `running_cap_holds_across_replicas`: 4 running under a cap of 3 in each
+/// of four runs). A one-tenant claim takes its tenant's lock and a shared
+/// hold on the lock of claims across tenants, which take that one alone:
+/// capped claims of one tenant run one at a time, those of different
+/// tenants side by side. Two-key advisory locks do not share a key space
+/// with `pg_counts`'s one-key lock; a tenant whose name hashes like
+/// another's only waits more. The first statement is a one-tenant claim's
+/// (`$1` the tenant), the second a claim's across tenants.
+const CAPPED_CLAIM_LOCKS: [&str; 2] = [
+    "SELECT pg_advisory_xact_lock_shared(1769238130, 0),
+            pg_advisory_xact_lock(1769238131, hashtext($1))",
+    "SELECT pg_advisory_xact_lock(1769238130, 0)",
+];
+
 /// A claim's parameters: one slot per job asked for, in caller order. The
 /// claim fills slot k with its k-th best candidate, leased to that slot's
 /// worker. Every spec shares the queues, kinds and scope of the first.
@@ -536,6 +554,10 @@ struct Claim<'a> {
     only_tenant: Option<&'a str>,
     /// Whether loads are counted: across tenants, or under caps (`$10`).
     counted: bool,
+    /// Whether running caps apply, so that the claim must not run beside
+    /// another that counts the same tenant's running jobs
+    /// ([`CAPPED_CLAIM_LOCKS`]).
+    capped: bool,
     slot_caller: Vec<usize>,
 }
 
@@ -554,6 +576,7 @@ impl<'a> Claim<'a> {
             kinds: &spec.kinds,
             only_tenant: (!spec.all_tenants).then_some(tenant),
             counted: spec.all_tenants || capped,
+            capped,
             slot_caller,
         })
     }
@@ -1933,12 +1956,23 @@ impl Store for PgStore {
         };
         // The settings of the `planned` pool's sessions are what the claim
         // needs (see `Claim::statement`), so it runs autocommitted, in one
-        // round trip.
+        // round trip; under caps, after its locks in the same transaction.
         let mut conn = self.planned.acquire().await?;
-        let rows = claim
-            .bind(sqlx::query(claim.statement()), &self.caps)
-            .fetch_all(&mut *conn)
+        let query = claim.bind(sqlx::query(claim.statement()), &self.caps);
+        let rows = if claim.capped {
+            let mut tx = conn.begin().await?;
+            match claim.only_tenant {
+                Some(tenant) => sqlx::query(CAPPED_CLAIM_LOCKS[0]).bind(tenant),
+                None => sqlx::query(CAPPED_CLAIM_LOCKS[1]),
+            }
+            .execute(&mut *tx)
             .await?;
+            let rows = query.fetch_all(&mut *tx).await?;
+            tx.commit().await?;
+            rows
+        } else {
+            query.fetch_all(&mut *conn).await?
+        };
         conn.finish();
         let mut changes = Changes::default();
         let claimed = self.claimed(&claim, &rows, &mut changes);
