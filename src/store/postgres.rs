@@ -530,7 +530,7 @@ const CLAIM_ONE_TENANT: &str = claim_statement!(
 /// two that ran at once, on two replicas or side by side in one, each
 /// counted without the other's jobs and together passed the cap (test
 /// `running_cap_holds_across_replicas`: 4 running under a cap of 3 in each
-/// of four runs). A one-tenant claim takes its tenant's lock and a shared
+/// of six runs). A one-tenant claim takes its tenant's lock and a shared
 /// hold on the lock of claims across tenants, which take that one alone:
 /// capped claims of one tenant run one at a time, those of different
 /// tenants side by side. Two-key advisory locks do not share a key space
