@@ -536,7 +536,10 @@ const CLAIM_ONE_TENANT: &str = claim_statement!(
 /// tenants side by side. Two-key advisory locks do not share a key space
 /// with `pg_counts`'s one-key lock; a tenant whose name hashes like
 /// another's only waits more. The first statement is a one-tenant claim's
-/// (`$1` the tenant), the second a claim's across tenants.
+/// (`$1` the tenant), the second a claim's across tenants. The first keys
+/// are arbitrary numbers that only these locks use: `1769238130` with 0 is
+/// the lock of claims across tenants, `1769238131` with the tenant's hash a
+/// tenant's.
 const CAPPED_CLAIM_LOCKS: [&str; 2] = [
     "SELECT pg_advisory_xact_lock_shared(1769238130, 0),
             pg_advisory_xact_lock(1769238131, hashtext($1))",
