@@ -6,6 +6,7 @@
 mod changes;
 mod error;
 pub mod outbox;
+mod pg_caps;
 mod pg_counts;
 mod pg_hot;
 mod pg_leased;

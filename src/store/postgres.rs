@@ -21,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::changes::{CHANNEL, Changes, wake_everything, wake_from_payload};
+use super::pg_caps;
 use super::pg_counts::Counts;
 use super::pg_hot::HotPool;
 use super::pg_leased::{Beat, Leased};
@@ -525,27 +526,6 @@ const CLAIM_ONE_TENANT: &str = claim_statement!(
                 LIMIT $4"
 );
 
-/// Taken by a claim under running caps before it counts, in the same
-/// transaction. A claim counts running jobs in its statement's snapshot, so
-/// two that ran at once, on two replicas or side by side in one, each
-/// counted without the other's jobs and together passed the cap (test
-/// `running_cap_holds_across_replicas`: 4 running under a cap of 3 in each
-/// of six runs). A one-tenant claim takes its tenant's lock and a shared
-/// hold on the lock of claims across tenants, which take that one alone:
-/// capped claims of one tenant run one at a time, those of different
-/// tenants side by side. Two-key advisory locks do not share a key space
-/// with `pg_counts`'s one-key lock; a tenant whose name hashes like
-/// another's only waits more. The first statement is a one-tenant claim's
-/// (`$1` the tenant), the second a claim's across tenants. The first keys
-/// are arbitrary numbers that only these locks use: `1769238130` with 0 is
-/// the lock of claims across tenants, `1769238131` with the tenant's hash a
-/// tenant's.
-const CAPPED_CLAIM_LOCKS: [&str; 2] = [
-    "SELECT pg_advisory_xact_lock_shared(1769238130, 0),
-            pg_advisory_xact_lock(1769238131, hashtext($1))",
-    "SELECT pg_advisory_xact_lock(1769238130, 0)",
-];
-
 /// A claim's parameters: one slot per job asked for, in caller order. The
 /// claim fills slot k with its k-th best candidate, leased to that slot's
 /// worker. Every spec shares the queues, kinds and scope of the first.
@@ -558,8 +538,7 @@ struct Claim<'a> {
     /// Whether loads are counted: across tenants, or under caps (`$10`).
     counted: bool,
     /// Whether running caps apply, so that the claim must not run beside
-    /// another that counts the same tenant's running jobs
-    /// ([`CAPPED_CLAIM_LOCKS`]).
+    /// another that counts the same running jobs (see `pg_caps`).
     capped: bool,
     slot_caller: Vec<usize>,
 }
@@ -1959,19 +1938,18 @@ impl Store for PgStore {
         };
         // The settings of the `planned` pool's sessions are what the claim
         // needs (see `Claim::statement`), so it runs autocommitted, in one
-        // round trip; under caps, after its locks in the same transaction.
+        // round trip; under caps, in a transaction after its locks (three).
         let mut conn = self.planned.acquire().await?;
         let query = claim.bind(sqlx::query(claim.statement()), &self.caps);
         let rows = if claim.capped {
-            let mut tx = conn.begin().await?;
-            match claim.only_tenant {
-                Some(tenant) => sqlx::query(CAPPED_CLAIM_LOCKS[0]).bind(tenant),
-                None => sqlx::query(CAPPED_CLAIM_LOCKS[1]),
-            }
-            .execute(&mut *tx)
-            .await?;
-            let rows = query.fetch_all(&mut *tx).await?;
-            tx.commit().await?;
+            // A failure on the way drops `conn` unfinished, which closes it
+            // and rolls the transaction back.
+            let begin = pg_caps::begin_and_lock(claim.only_tenant, claim.queues);
+            sqlx::raw_sql(sqlx::AssertSqlSafe(begin))
+                .execute(&mut *conn)
+                .await?;
+            let rows = query.fetch_all(&mut *conn).await?;
+            sqlx::raw_sql("COMMIT").execute(&mut *conn).await?;
             rows
         } else {
             query.fetch_all(&mut *conn).await?
