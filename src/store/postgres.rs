@@ -2502,6 +2502,65 @@ mod tests {
         scratch.drop().await;
     }
 
+    /// A capped claim waits for the lock of its tenant's queue, and only
+    /// for that one: a transaction holding the lock of queue `q` holds back
+    /// a claim from `q` and not one from `r`.
+    #[tokio::test]
+    async fn a_capped_claim_waits_for_its_queue_lock_only() {
+        let scratch = Scratch::new("intray_cap_locks").await;
+        let mut settings = Settings::new(&scratch.url);
+        settings.max_running_per_tenant = Some(10);
+        let store = PgStore::open(&settings, Arc::new(Notifier::new()))
+            .await
+            .expect("open the store");
+        let tenant = "default";
+        let mut jobs = vec![new_job(), new_job()];
+        jobs[1].queue = "r".into();
+        store
+            .submit(tenant, jobs)
+            .await
+            .expect("submit")
+            .into_iter()
+            .collect::<StoreResult<Vec<_>>>()
+            .expect("both jobs stored");
+        let mut holder = PgConnection::connect(&scratch.url).await.expect("connect");
+        let hold = pg_caps::begin_and_lock(Some(tenant), &["q".to_owned()]);
+        sqlx::raw_sql(sqlx::AssertSqlSafe(hold))
+            .execute(&mut holder)
+            .await
+            .expect("hold the lock of q");
+
+        let from_r = LeaseSpec {
+            queues: vec!["r".into()],
+            ..lease_spec("a", 1)
+        };
+        let leased = tokio::time::timeout(Duration::from_secs(30), store.lease(tenant, &[from_r]))
+            .await
+            .expect("a claim from r does not wait for q's lock")
+            .expect("lease from r");
+        assert_eq!(leased.concat().len(), 1);
+
+        let specs = [lease_spec("b", 1)];
+        let mut from_q = Box::pin(store.lease(tenant, &specs));
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), &mut from_q)
+                .await
+                .is_err(),
+            "a claim from q waits while its lock is held"
+        );
+        sqlx::raw_sql("COMMIT")
+            .execute(&mut holder)
+            .await
+            .expect("release the lock");
+        let leased = tokio::time::timeout(Duration::from_secs(30), from_q)
+            .await
+            .expect("the claim from q goes on once the lock is free")
+            .expect("lease from q");
+        assert_eq!(leased.concat().len(), 1);
+        drop(store);
+        scratch.drop().await;
+    }
+
     /// A migrated database of its own for one test.
     struct Scratch {
         admin: PgConnection,
