@@ -1938,7 +1938,8 @@ impl Store for PgStore {
         };
         // The settings of the `planned` pool's sessions are what the claim
         // needs (see `Claim::statement`), so it runs autocommitted, in one
-        // round trip; under caps, in a transaction after its locks (three).
+        // round trip. Under caps it takes three: `BEGIN` with its locks
+        // (see `pg_caps`), the claim, `COMMIT`.
         let mut conn = self.planned.acquire().await?;
         let query = claim.bind(sqlx::query(claim.statement()), &self.caps);
         let rows = if claim.capped {
