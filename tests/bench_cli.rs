@@ -183,9 +183,11 @@ fn check(reports: &[Value], backend: &str) {
     assert_eq!(number(row, "callers"), 4.0, "producers + workers");
     assert_eq!(number(row, "calls"), (3 * E2E_JOBS) as f64, "{row}");
     assert!(number(row, "calls_per_s") > 0.0, "{row}");
-    assert_eq!(
-        number(row, "e2e_ceiling_jobs_per_s"),
-        (number(row, "calls_per_s") / 3.0).round(),
+    // The ceiling is a third of the unrounded rate, and the row shows the
+    // rate rounded to 0.1: 4159.49 calls/s shows as 4159.5, whose third
+    // rounds to 1387 where the ceiling is 1386.
+    assert!(
+        (number(row, "e2e_ceiling_jobs_per_s") - number(row, "calls_per_s") / 3.0).abs() <= 0.52,
         "{row}"
     );
 
