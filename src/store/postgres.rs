@@ -535,8 +535,6 @@ struct Claim<'a> {
     kinds: &'a [String],
     /// The caller's tenant, or none for a claim across tenants.
     only_tenant: Option<&'a str>,
-    /// Whether loads are counted: across tenants, or under caps (`$10`).
-    counted: bool,
     /// Whether running caps apply, so that the claim must not run beside
     /// another that counts the same running jobs (see `pg_caps`).
     capped: bool,
@@ -557,10 +555,14 @@ impl<'a> Claim<'a> {
             queues: &spec.queues,
             kinds: &spec.kinds,
             only_tenant: (!spec.all_tenants).then_some(tenant),
-            counted: spec.all_tenants || capped,
             capped,
             slot_caller,
         })
+    }
+
+    /// Whether loads are counted (`$10`): across tenants, or under caps.
+    fn counted(&self) -> bool {
+        self.only_tenant.is_none() || self.capped
     }
 
     /// The statement on its own.
@@ -577,7 +579,7 @@ impl<'a> Claim<'a> {
     /// threshold, and compiling the statement took a second: no JIT. Those
     /// are the settings of the `planned` pool's sessions.
     fn statement(&self) -> &'static str {
-        if self.counted {
+        if self.counted() {
             CLAIM
         } else {
             CLAIM_ONE_TENANT
@@ -588,7 +590,7 @@ impl<'a> Claim<'a> {
     /// jobs cannot: in one statement it would still count the jobs the
     /// write ends.
     fn follows_a_write(&self) -> bool {
-        !self.counted
+        !self.counted()
     }
 
     /// Binds the claim's parameters after whatever `query` has bound.
@@ -610,7 +612,7 @@ impl<'a> Claim<'a> {
             .bind(&caps.queues)
             .bind(&caps.caps)
             .bind(caps.default)
-            .bind(self.counted)
+            .bind(self.counted())
     }
 }
 
