@@ -314,16 +314,20 @@ pub async fn run(
                                 small.dispatch.map(|d| d.p99),
                             )),
                         );
-                } else {
+                }
+                reports.push((
+                    report.field("arrangement", backlog::ARRANGEMENT),
+                    at.queue_name.clone(),
+                ));
+                if first.is_none() {
                     first = Some(at);
                 }
-                reports.push(report.field("arrangement", backlog::ARRANGEMENT));
                 Ok(())
             })
             .await?;
-            // Both runs' e2e and dispatch jobs, warm-ups included, ended SUCCEEDED.
-            let done = succeeded(&ctx.conn, &queue).await?;
-            for report in reports {
+            // Each size's e2e and dispatch jobs, warm-ups included, ended SUCCEEDED.
+            for (report, queue) in reports {
+                let done = succeeded(&ctx.conn, &queue).await?;
                 emit(
                     report
                         .field("stats_succeeded", done)
