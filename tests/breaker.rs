@@ -15,6 +15,11 @@ mod postgres_only {
     async fn a_breaker_begun_after_the_lease_counts_its_success() {
         super::a_breaker_begun_after_the_lease_counts_its_success().await
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_half_open_breaker_sends_one_probe_across_replicas() {
+        super::a_half_open_breaker_sends_one_probe_across_replicas().await
+    }
 }
 
 fn with_breaker(threshold: u32, cooldown: Duration) -> impl FnOnce(&mut intray::config::Settings) {
@@ -192,6 +197,62 @@ async fn a_breaker_begun_after_the_lease_counts_its_success() {
         0,
         "the success ended the streak: {after:?}"
     );
+    replica.stop().await;
+    server.stop().await;
+}
+
+/// Two replicas' claims of one instant both see a half-open breaker without
+/// a probe; only one of them may send its candidate as the probe. Each
+/// round, eight leases on each replica go out together; the probe fails,
+/// the breaker opens again, and after its cool-down the next round races.
+async fn a_half_open_breaker_sends_one_probe_across_replicas() {
+    const ROUNDS: usize = 12;
+    const PER_REPLICA: usize = 8;
+    let cooldown = Duration::from_millis(300);
+    let server = TestServer::start_with(Backend::Postgres, with_breaker(1, cooldown)).await;
+    let replica = server.start_replica().await;
+    let mut jobs = server.jobs_client("t");
+    for _ in 0..ROUNDS + 1 {
+        let mut r = submit_req("llm", "chat", json!({}));
+        r.max_attempts = Some(100);
+        submit_with(&mut jobs, r).await;
+    }
+    let mut here = server.workers_client("t");
+    let first = lease_kind(&mut here, "chat", 1).await;
+    assert_eq!(first.len(), 1, "a chat job is leasable");
+    fail(&mut here, &first[0], None).await;
+
+    let clients = [server.workers_client("t"), replica.workers_client("t")];
+    for round in 1..=ROUNDS {
+        tokio::time::sleep(cooldown + Duration::from_millis(100)).await;
+        let start = std::sync::Arc::new(tokio::sync::Barrier::new(2 * PER_REPLICA));
+        let mut leases = tokio::task::JoinSet::new();
+        for client in &clients {
+            for _ in 0..PER_REPLICA {
+                let mut client = client.clone();
+                let start = std::sync::Arc::clone(&start);
+                leases.spawn(async move {
+                    start.wait().await;
+                    lease_kind(&mut client, "chat", 1).await
+                });
+            }
+        }
+        let mut probes = Vec::new();
+        while let Some(leased) = leases.join_next().await {
+            probes.extend(leased.expect("lease task"));
+        }
+        assert_eq!(
+            probes.len(),
+            1,
+            "round {round}: one probe for a half-open breaker, across both replicas: {probes:?}"
+        );
+        fail(&mut here, &probes[0], None).await;
+        assert_eq!(
+            state_of(&breaker_of(&mut jobs, "chat").await),
+            Some(pb::BreakerState::Open),
+            "round {round}: the failed probe opened it again"
+        );
+    }
     replica.stop().await;
     server.stop().await;
 }

@@ -353,7 +353,7 @@ macro_rules! claim_statement {
                 WHERE $10 AND state = 'running' AND ($1::text IS NULL OR tenant = $1)
                 GROUP BY tenant, queue
              ), candidates AS (
-                SELECT c.id, c.tid, c.priority, c.run_at, c.kind, c.half_open, q.name AS queue",
+                SELECT c.id, c.tid, c.priority, c.run_at, c.kind, c.half_open, t.tenant, q.name AS queue",
                 $loads, "
                 FROM tenants t
                 CROSS JOIN unnest($2::text[]) AS q(name)
@@ -423,6 +423,26 @@ macro_rules! claim_statement {
                     SELECT 1 FROM paused_queues p WHERE p.tenant = t.tenant AND p.queue = q.name
                 )
              ), picked AS (", $picked, "
+             ), probe_picks AS (
+                -- A picked candidate of a half-open breaker is to be its
+                -- probe: the breaker's row version as this statement's
+                -- snapshot has it.
+                SELECT c.id, c.tid, b.tenant, b.queue, b.kind, b.xmin::text AS version
+                FROM candidates c
+                JOIN breakers b ON b.tenant = c.tenant AND b.queue = c.queue AND b.kind = c.kind
+                WHERE c.half_open AND c.id IN (SELECT id FROM picked)
+             ), probes AS (
+                -- Compare and set: the probe is named only if nobody changed
+                -- the breaker since the snapshot. A claim of another replica
+                -- that named its own probe meanwhile holds the row until it
+                -- commits; then the row is re-read at its new version, this
+                -- comparison fails, and this claim leases no probe (it would
+                -- otherwise overwrite the other's, and two probes would run).
+                UPDATE breakers b SET probe_job = s.id, updated_at = now()
+                FROM probe_picks s
+                WHERE b.tenant = s.tenant AND b.queue = s.queue AND b.kind = s.kind
+                  AND b.xmin::text = s.version
+                RETURNING s.id
              ), slots AS (
                 SELECT jsonb_object_agg(id::text, slot) AS of FROM picked
              ), upd AS (
@@ -450,25 +470,17 @@ macro_rules! claim_statement {
                     progress = 0,
                     event_seq = j.event_seq + 1
                 WHERE j.ctid = ANY(ARRAY(SELECT tid FROM picked))
+                  -- Not a probe that lost its breaker to another claim (the
+                  -- array, computed once, is nearly always empty).
+                  AND NOT j.ctid = ANY(ARRAY(
+                      SELECT tid FROM probe_picks
+                      WHERE id NOT IN (SELECT id FROM probes)))
                 RETURNING j.*, ((SELECT of FROM slots) ->> j.id::text)::int8 AS slot,
                     j.xmin::text AS row_version,
                     pg_column_size(j.payload) AS payload_bytes
              ), ev AS (
                 INSERT INTO job_events (job_id, sequence, type, state, attempt, worker_id, at)
                 SELECT id, event_seq, 'leased', 'running', attempt, lease_owner, updated_at FROM upd
-             ), probes AS (
-                -- A job leased from a half-open breaker is its probe. Only
-                -- a candidate flagged half_open can be one, so without such
-                -- a candidate no leased job needs its breaker looked up.
-                UPDATE breakers b SET probe_job = u.id, updated_at = now()
-                FROM upd u
-                WHERE EXISTS (SELECT 1 FROM candidates WHERE half_open)
-                  AND b.tenant = u.tenant AND b.queue = u.queue AND b.kind = u.kind
-                  AND b.open_until <= now()
-                  AND (b.probe_job IS NULL
-                       OR (SELECT p.state FROM jobs p
-                           WHERE p.tenant = b.tenant AND p.id = b.probe_job)
-                          IS DISTINCT FROM 'running')
              )
              SELECT * FROM upd"
         )
