@@ -530,11 +530,13 @@ const LIBFAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
 /// minutes ahead (libfaketime, Debian package `faketime`; wall clock only,
 /// so its timers still run at real speed). Workers on both, 2 s leases, half
 /// the jobs fail their first attempt with a 100-200 ms backoff, every job
-/// has a deadline 90 s away. Catches any lease, deadline or backoff decision
-/// taken on a replica's clock instead of the database's: the skewed replica
-/// would reclaim every running lease at once (LEASE_EXPIRED, second LEASED),
-/// expire every job (its deadline looks 30 s past), or schedule retries two
-/// minutes late (the run would not finish).
+/// has a deadline 90 s away, and a quarter is submitted through the skewed one.
+/// Catches any lease, deadline or backoff decision taken on a replica's
+/// clock instead of the database's: the skewed replica would refuse the
+/// jobs submitted through it or expire every job (its deadline looks 30 s
+/// past), reclaim every running lease at once (LEASE_EXPIRED, second
+/// LEASED), or schedule retries two minutes late (the run would not
+/// finish).
 async fn clock_skew() {
     // scripts/test.sh installs it; never skip silently.
     assert!(
@@ -590,15 +592,37 @@ async fn clock_skew() {
                 initial: Some(common::ms(100)),
                 max: Some(common::ms(200)),
             });
-            // Submitted through the normal replica: `Submit`'s "deadline
-            // must be in the future" check uses the replica's own clock
-            // (src/api/jobs.rs), so the skewed one would refuse it.
+            // 90 s away by the database's clock, 30 s past by the skewed
+            // replica's: `Submit`'s "deadline must be in the future" check
+            // must take the database's, or the skewed replica refuses half.
             r.deadline = Some(common::ts(deadline));
             r
         })
         .collect();
     let started = Instant::now();
-    let accepted = submit_all(&[a.url()], reqs, LIMIT).await;
+    // The first hundred through the skewed replica, every one accepted.
+    let mut reqs = reqs;
+    let through_skewed: Vec<pb::SubmitRequest> = reqs.drain(..100).collect();
+    let results = skewed
+        .jobs()
+        .await
+        .submit_batch(pb::SubmitBatchRequest {
+            jobs: through_skewed,
+        })
+        .await
+        .expect("SubmitBatch through the skewed replica")
+        .into_inner()
+        .results;
+    let mut accepted: Vec<String> = results
+        .into_iter()
+        .map(|r| match r.result {
+            Some(pb::submit_batch_result::Result::Ok(ok)) => ok.job.expect("SubmitResponse.job").id,
+            other => panic!(
+                "the skewed replica refused a job whose deadline is 90 s away by the database's clock: {other:?}"
+            ),
+        })
+        .collect();
+    accepted.extend(submit_all(&[a.url()], reqs, LIMIT).await);
     let last = db
         .wait_all_terminal(n as i64, Duration::from_secs(60))
         .await;

@@ -4,7 +4,6 @@ use std::collections::VecDeque;
 use std::pin::Pin;
 use std::time::Duration;
 
-use chrono::Utc;
 use futures::Stream;
 use tonic::{Request, Response, Status};
 use uuid::Uuid;
@@ -66,7 +65,7 @@ impl JobsApi {
 
     fn validate_submit(&self, request: pb::SubmitRequest) -> Result<NewJob, ValidationError> {
         let input = convert::submit_input(request)?;
-        validate::submit(input, &self.ctx.limits, Utc::now())
+        validate::submit(input, &self.ctx.limits, self.ctx.store.now())
     }
 }
 

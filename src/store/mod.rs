@@ -4,6 +4,7 @@
 //! on PostgreSQL, the single writer on SQLite).
 
 mod changes;
+mod db_clock;
 mod error;
 pub mod outbox;
 mod pg_caps;
@@ -333,6 +334,10 @@ pub trait Store: Send + Sync + 'static {
     /// The webhook outbox on the same database (and, on SQLite, the same
     /// single writer).
     fn outbox(&self) -> Arc<dyn outbox::Outbox>;
+
+    /// The database's time as this replica knows it, for checks taken
+    /// before any statement (see `db_clock`).
+    fn now(&self) -> chrono::DateTime<chrono::Utc>;
 }
 
 /// [`Store::complete_and_lease`] as two store calls, one after the other.

@@ -21,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::changes::{CHANNEL, Changes, wake_everything, wake_from_payload};
+use super::db_clock::DbClock;
 use super::pg_caps;
 use super::pg_counts::Counts;
 use super::pg_hot::HotPool;
@@ -79,6 +80,8 @@ pub struct PgStore {
     unreadable: Unreadable,
     /// Jobs this replica leased, for their `Complete` (see `pg_leased`).
     leased: Leased,
+    /// The database's clock, read again on every reaper pass.
+    clock: DbClock,
 }
 
 impl Drop for PgStore {
@@ -1212,7 +1215,7 @@ impl PgStore {
             to_announce,
             listener_stop.clone(),
         ));
-        Ok(PgStore {
+        let store = PgStore {
             counts: Counts::new(pool.clone(), Arc::clone(&planned)),
             pool,
             planned,
@@ -1223,7 +1226,22 @@ impl PgStore {
             listener_stop,
             unreadable: Unreadable::default(),
             leased: Leased::default(),
-        })
+            clock: DbClock::default(),
+        };
+        store.read_clock().await?;
+        Ok(store)
+    }
+
+    /// Reads the database's clock (see `db_clock`). The connection is taken
+    /// first, so that only the query's round trip is timed.
+    async fn read_clock(&self) -> StoreResult<()> {
+        let mut conn = self.pool.acquire().await?;
+        let sent = Utc::now();
+        let db_time: DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+            .fetch_one(&mut *conn)
+            .await?;
+        self.clock.observe(sent, db_time, Utc::now());
+        Ok(())
     }
 
     /// `Complete` in one transaction that locks the jobs' rows (and, when
@@ -2097,6 +2115,8 @@ impl Store for PgStore {
 
     #[tracing::instrument(name = "store.reap", skip_all)]
     async fn reap(&self, batch: u32, retention: Duration) -> StoreResult<Reaped> {
+        // Every replica reaps on a timer: the clock's reading stays that fresh.
+        self.read_clock().await?;
         let mut tx = self.pool.begin().await?;
         let expired_leases = sqlx::query(
             "SELECT *, now() AS db_now FROM jobs
@@ -2239,6 +2259,10 @@ impl Store for PgStore {
 
     fn outbox(&self) -> Arc<dyn super::outbox::Outbox> {
         Arc::new(super::outbox::PgOutbox::new(self.pool.clone()))
+    }
+
+    fn now(&self) -> DateTime<Utc> {
+        self.clock.now()
     }
 }
 

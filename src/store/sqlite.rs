@@ -1266,4 +1266,10 @@ impl Store for SqliteStore {
             self.reader.clone(),
         ))
     }
+
+    /// The process's own: it is the only writer, and its statements take
+    /// the time from it.
+    fn now(&self) -> DateTime<Utc> {
+        Utc::now()
+    }
 }
