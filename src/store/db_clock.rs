@@ -3,10 +3,11 @@
 //! On PostgreSQL every lease, deadline and backoff decision is taken by the
 //! database's `now()` inside the statement that acts on it, so replicas with
 //! skewed clocks agree. A check that comes before any statement, such as
-//! `Submit` refusing a deadline that has passed, reads this clock instead: the replica's own clock corrected
-//! by the offset the database last showed, measured the way NTP does (the
-//! database's time against the middle of the round trip that asked for it),
-//! so the error is half a round trip plus the drift since the last reading.
+//! `Submit` refusing a deadline that has passed, reads this clock instead:
+//! the replica's own clock corrected by the offset the database last
+//! showed, measured the way NTP does (the database's time against the
+//! middle of the round trip that asked for it), so the error is half a
+//! round trip plus the drift since the last reading.
 
 use std::sync::atomic::{AtomicI64, Ordering};
 
