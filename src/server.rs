@@ -137,6 +137,7 @@ pub async fn run_with(
     );
     let retention = settings.retention;
     let webhooks = settings.webhooks.clone();
+    let http_tracing = settings.tracing.clone();
     let ctx = Context::new(
         Arc::clone(&store),
         notifier,
@@ -204,7 +205,7 @@ pub async fn run_with(
             http_limits,
             Arc::clone(&metrics),
         );
-        let app = crate::http::router(Arc::new(gateway), Arc::new(ingress), metrics);
+        let app = crate::http::router(Arc::new(gateway), Arc::new(ingress), metrics, http_tracing);
         tokio::spawn(crate::http::serve(listener, app, tls.clone(), stop.clone()))
     });
     let mut watchers = Vec::new();

@@ -26,6 +26,7 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 };
 use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 use opentelemetry_proto::tonic::trace::v1::Span;
+use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
 use opentelemetry_proto::tonic::trace::v1::status::StatusCode;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use serde_json::json;
@@ -34,6 +35,7 @@ use tonic::{Request, Response, Status};
 
 backend_tests!(
     a_failed_then_successful_job_is_one_trace,
+    an_http_submit_is_traced_like_a_grpc_one,
     an_attempt_the_reaper_ends_has_its_span,
     metrics_show_the_jobs_made
 );
@@ -212,6 +214,37 @@ fn traced_submit(traceparent: &str, r: pb::SubmitRequest) -> tonic::Request<pb::
     request
 }
 
+/// `POST /api/v1/jobs` with `body` for tenant `acme`, carrying the caller's
+/// `traceparent`: the status line and the JSON body of the answer.
+async fn http_submit(
+    addr: SocketAddr,
+    traceparent: &str,
+    body: &serde_json::Value,
+) -> (String, serde_json::Value) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let body = body.to_string();
+    let mut conn = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("connect to the HTTP port");
+    let request = format!(
+        "POST /api/v1/jobs HTTP/1.1\r\nHost: intray\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nx-intray-tenant: acme\r\n\
+         traceparent: {traceparent}\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    conn.write_all(request.as_bytes())
+        .await
+        .expect("send the request");
+    let mut response = String::new();
+    conn.read_to_string(&mut response)
+        .await
+        .expect("read the response");
+    let (head, body) = response.split_once("\r\n\r\n").expect("an HTTP response");
+    let status = head.lines().next().unwrap_or_default().to_owned();
+    let json = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body:?}"));
+    (status, json)
+}
+
 fn caller_context() -> (TraceParent, String) {
     let caller = TraceParent {
         trace_id: rand::random(),
@@ -224,6 +257,67 @@ fn caller_context() -> (TraceParent, String) {
 // ---------------------------------------------------------------------------
 // Traces
 // ---------------------------------------------------------------------------
+
+/// The HTTP API's `POST /api/v1/jobs` has a server span of its own in the
+/// caller's trace, and the job's attempt nests under it, as under a gRPC
+/// `Submit`.
+async fn an_http_submit_is_traced_like_a_grpc_one(backend: Backend) {
+    let mut collector = Collector::start().await;
+    let tracing = collector.pipeline();
+    let server = TestServer::start_with(backend, |s| s.tracing = tracing.clone()).await;
+    let mut workers = server.workers_client("acme");
+    let (caller, header) = caller_context();
+
+    let (status, job) = http_submit(
+        server.http_addr,
+        &header,
+        &json!({"queue": "obs-http", "kind": "embed", "payload": {}}),
+    )
+    .await;
+    assert!(status.contains(" 202 "), "{status}: {job}");
+    let leased = lease_one(&mut workers, "w-1", "obs-http").await;
+    assert_eq!(Some(leased.job_id.as_str()), job["id"].as_str());
+    complete_ok(&mut workers, &leased).await;
+
+    let trace_id = caller.trace_id.to_vec();
+    collector
+        .until(&tracing, "the HTTP call's span and the attempt", |spans| {
+            attempts_in(spans, &trace_id).len() == 1
+                && spans.iter().any(|s| s.name == "POST /api/v1/jobs")
+        })
+        .await;
+    let spans = &collector.spans;
+    eprintln!("{}", tree(spans, &trace_id));
+    let call = spans
+        .iter()
+        .find(|s| s.name == "POST /api/v1/jobs" && s.trace_id == trace_id)
+        .expect("the HTTP call's span in the caller's trace");
+    assert_eq!(
+        call.parent_span_id,
+        caller.span_id.to_vec(),
+        "under the caller's span"
+    );
+    assert_eq!(call.kind, SpanKind::Server as i32);
+    assert_eq!(attr(call, "http.request.method").as_deref(), Some("POST"));
+    assert_eq!(attr(call, "http.route").as_deref(), Some("/api/v1/jobs"));
+    assert_eq!(
+        attr(call, "http.response.status_code").as_deref(),
+        Some("202")
+    );
+    assert_eq!(status_code(call), StatusCode::Unset as i32);
+    let attempts = attempts_in(spans, &trace_id);
+    assert_eq!(
+        attempts[0].parent_span_id, call.span_id,
+        "the attempt under the HTTP call"
+    );
+    let given = TraceParent::parse(&leased.traceparent).expect("LeasedJob.traceparent");
+    assert_eq!(
+        given.trace_id.to_vec(),
+        trace_id,
+        "the worker got the caller's trace"
+    );
+    server.stop().await;
+}
 
 async fn a_failed_then_successful_job_is_one_trace(backend: Backend) {
     let mut collector = Collector::start().await;

@@ -38,7 +38,8 @@ use axum::http::header;
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
 
-use crate::telemetry::Metrics;
+use crate::telemetry::http::HttpTraceLayer;
+use crate::telemetry::{Metrics, Tracing};
 
 /// Content type of the Prometheus text format.
 const TEXT_FORMAT: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -47,7 +48,12 @@ const TEXT_FORMAT: &str = "text/plain; version=0.0.4; charset=utf-8";
 /// methods on a resource: the router matches the whole segment and the
 /// handler splits off the verb. A scrape of `/metrics` only renders what is
 /// in memory (the database gauges are refreshed on a timer).
-pub fn router(gateway: Arc<Gateway>, ingress: Arc<Ingress>, metrics: Arc<Metrics>) -> Router {
+pub fn router(
+    gateway: Arc<Gateway>,
+    ingress: Arc<Ingress>,
+    metrics: Arc<Metrics>,
+    tracing: Tracing,
+) -> Router {
     let api = Router::new()
         .route("/api/v1/jobs", post(jobs::submit).get(jobs::list))
         .route("/api/v1/jobs:retry", post(jobs::retry))
@@ -60,6 +66,7 @@ pub fn router(gateway: Arc<Gateway>, ingress: Arc<Ingress>, metrics: Arc<Metrics
         .route("/api/v1/openapi.json", get(openapi::serve))
         .route("/api/v1/{*rest}", axum::routing::any(jobs::no_route))
         .layer(DefaultBodyLimit::max(body::MAX_BODY_BYTES))
+        .route_layer(HttpTraceLayer::new(tracing))
         .with_state(gateway);
     // The ingress reads its body itself, with its own limit, after the
     // source is known (an unknown source is 404 whatever the body).

@@ -6,10 +6,12 @@
 //!   per server.
 //! - `traceparent`: W3C trace context values and attempt span ids (pure).
 //! - `rpc`: the tower layer giving every call a server span and metrics.
+//! - `http`: the tower layer giving every HTTP API call a server span.
 //! - `attempt`: an ended attempt's summary and its `job.attempt` span.
 //! - `metrics`: the metrics and their text exposition (served by `crate::http`).
 
 pub mod attempt;
+pub mod http;
 pub mod logging;
 pub mod metrics;
 pub mod otlp;

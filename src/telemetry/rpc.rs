@@ -78,6 +78,38 @@ pub struct Observed<S> {
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
+/// A server span for a call whose headers are `headers`, in the caller's
+/// W3C trace context when it sent one; `None` when tracing is off. `named`
+/// gives the span's name and attributes, and is called only when tracing
+/// is on (so that calls pay nothing for them otherwise). The returned
+/// context holds the span.
+pub fn server_span(
+    tracing: &Tracing,
+    headers: &HeaderMap,
+    named: impl FnOnce() -> (String, Vec<KeyValue>),
+) -> Option<Context> {
+    let tracer = tracing.tracer()?;
+    let (name, attributes) = named();
+    let parent = TraceContextPropagator::new().extract(&HeaderExtractor(headers));
+    let span = tracer
+        .span_builder(name)
+        .with_kind(SpanKind::Server)
+        .with_attributes(attributes)
+        .start_with_context(tracer, &parent);
+    Some(parent.with_span(span))
+}
+
+/// The `traceparent` of the span in `cx`.
+pub fn span_traceparent(cx: &Context) -> Option<TraceParent> {
+    let sc = cx.span().span_context().clone();
+    TraceParent::parse(&format!(
+        "00-{}-{}-{:02x}",
+        sc.trace_id(),
+        sc.span_id(),
+        sc.trace_flags().to_u8()
+    ))
+}
+
 /// `INVALID_ARGUMENT` from `InvalidArgument`: the names operators know.
 pub fn code_name(code: Code) -> String {
     let camel = format!("{code:?}");
@@ -121,40 +153,30 @@ where
     fn call(&mut self, mut req: Request<ReqBody>) -> Self::Future {
         let started = Instant::now();
         let path = req.uri().path().to_owned();
-        let (cx, span_on) = match self.tracing.tracer() {
-            Some(tracer) => {
-                let parent = TraceContextPropagator::new().extract(&HeaderExtractor(req.headers()));
-                let (service, method) = path
-                    .trim_start_matches('/')
-                    .split_once('/')
-                    .unwrap_or((path.as_str(), ""));
-                let span = tracer
-                    .span_builder(path.trim_start_matches('/').to_owned())
-                    .with_kind(SpanKind::Server)
-                    .with_attributes([
-                        KeyValue::new("rpc.system", "grpc"),
-                        KeyValue::new("rpc.service", service.to_owned()),
-                        KeyValue::new("rpc.method", method.to_owned()),
-                    ])
-                    .start_with_context(tracer, &parent);
-                (parent.with_span(span), true)
-            }
-            None => (Context::new(), false),
-        };
-        let call_trace = if span_on {
-            let sc = cx.span().span_context().clone();
-            TraceParent::parse(&format!(
-                "00-{}-{}-{:02x}",
-                sc.trace_id(),
-                sc.span_id(),
-                sc.trace_flags().to_u8()
-            ))
-        } else {
-            req.headers()
+        let cx = server_span(&self.tracing, req.headers(), || {
+            let (service, method) = path
+                .trim_start_matches('/')
+                .split_once('/')
+                .unwrap_or((path.as_str(), ""));
+            (
+                path.trim_start_matches('/').to_owned(),
+                vec![
+                    KeyValue::new("rpc.system", "grpc"),
+                    KeyValue::new("rpc.service", service.to_owned()),
+                    KeyValue::new("rpc.method", method.to_owned()),
+                ],
+            )
+        });
+        let span_on = cx.is_some();
+        let call_trace = match &cx {
+            Some(cx) => span_traceparent(cx),
+            None => req
+                .headers()
                 .get("traceparent")
                 .and_then(|v| v.to_str().ok())
-                .and_then(TraceParent::parse)
+                .and_then(TraceParent::parse),
         };
+        let cx = cx.unwrap_or_default();
         req.extensions_mut().insert(CallTrace(call_trace));
         let metrics = Arc::clone(&self.metrics);
         // Inside the call, the server span is the current OpenTelemetry
