@@ -221,27 +221,16 @@ async fn http_submit(
     traceparent: &str,
     body: &serde_json::Value,
 ) -> (String, serde_json::Value) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let body = body.to_string();
-    let mut conn = tokio::net::TcpStream::connect(addr)
-        .await
-        .expect("connect to the HTTP port");
     let request = format!(
         "POST /api/v1/jobs HTTP/1.1\r\nHost: intray\r\nConnection: close\r\n\
          Content-Type: application/json\r\nx-intray-tenant: acme\r\n\
          traceparent: {traceparent}\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
-    conn.write_all(request.as_bytes())
-        .await
-        .expect("send the request");
-    let mut response = String::new();
-    conn.read_to_string(&mut response)
-        .await
-        .expect("read the response");
-    let (head, body) = response.split_once("\r\n\r\n").expect("an HTTP response");
+    let (head, body) = http_exchange(addr, &request).await;
     let status = head.lines().next().unwrap_or_default().to_owned();
-    let json = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body:?}"));
+    let json = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body:?}"));
     (status, json)
 }
 

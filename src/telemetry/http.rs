@@ -8,8 +8,6 @@
 //! only (the route is the span's name, and unknown paths would make the set
 //! of names unbounded).
 
-use std::future::Future;
-use std::pin::Pin;
 use std::task::{Context as TaskContext, Poll};
 
 use axum::extract::MatchedPath;
@@ -20,7 +18,7 @@ use opentelemetry::trace::{Status, TraceContextExt};
 use tower::{Layer, Service};
 
 use super::otlp::Tracing;
-use super::rpc::{server_span, span_traceparent};
+use super::rpc::{BoxFuture, server_span, span_traceparent};
 
 /// Wraps routes in [`HttpTraced`].
 #[derive(Clone, Debug)]
@@ -52,8 +50,6 @@ pub struct HttpTraced<S> {
     inner: S,
     tracing: Tracing,
 }
-
-type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for HttpTraced<S>
 where

@@ -76,7 +76,8 @@ pub struct Observed<S> {
     metrics: Arc<Metrics>,
 }
 
-type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+/// The future of a traced call.
+pub(super) type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
 /// A server span for a call whose headers are `headers`, in the caller's
 /// W3C trace context when it sent one; `None` when tracing is off. `named`

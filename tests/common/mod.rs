@@ -838,10 +838,27 @@ pub async fn within<T>(d: Duration, what: &str, fut: impl Future<Output = T>) ->
 
 /// `GET /metrics` over a plain HTTP/1.1 connection.
 pub async fn scrape(addr: SocketAddr) -> String {
+    let (head, body) = http_exchange(
+        addr,
+        "GET /metrics HTTP/1.1\r\nHost: intray\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: text/plain; version=0.0.4"),
+        "{head}"
+    );
+    body
+}
+
+/// Sends `request`, a whole HTTP/1.1 request that asks to close the
+/// connection, to the HTTP port at `addr`: the answer's head and body.
+pub async fn http_exchange(addr: SocketAddr, request: &str) -> (String, String) {
     let mut conn = tokio::net::TcpStream::connect(addr)
         .await
         .expect("connect to the HTTP port");
-    conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: intray\r\nConnection: close\r\n\r\n")
+    conn.write_all(request.as_bytes())
         .await
         .expect("send the request");
     let mut response = String::new();
@@ -849,13 +866,7 @@ pub async fn scrape(addr: SocketAddr) -> String {
         .await
         .expect("read the response");
     let (head, body) = response.split_once("\r\n\r\n").expect("an HTTP response");
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    assert!(
-        head.to_ascii_lowercase()
-            .contains("content-type: text/plain; version=0.0.4"),
-        "{head}"
-    );
-    body.to_owned()
+    (head.to_owned(), body.to_owned())
 }
 
 /// `name{labels} value` lines as a map from `name{labels}` to the value.
