@@ -118,7 +118,8 @@ pub struct BenchArgs {
     #[arg(long, value_name = "N", default_value_t = 50_000)]
     pub burn_down_jobs: u64,
 
-    /// Measured jobs of dispatch, and of dispatch at each backlog size.
+    /// Measured jobs of dispatch, and of dispatch at each backlog size (over
+    /// all its rounds).
     #[arg(long, value_name = "N", default_value_t = 1000)]
     pub dispatch_samples: u64,
 
@@ -131,12 +132,12 @@ pub struct BenchArgs {
     #[arg(long, value_name = "N", default_value_t = 1_000_000)]
     pub backlog_size: u64,
 
-    /// Measured e2e jobs at each backlog size.
+    /// Measured e2e jobs at each backlog size (over all its rounds).
     #[arg(long, value_name = "N", default_value_t = 10_000)]
     pub backlog_jobs: u64,
 
-    /// Before each scenario, and before each backlog size's e2e and
-    /// dispatch parts: a CHECKPOINT (on PostgreSQL), then a wait of at most
+    /// Before each scenario, and before each e2e and dispatch part of the
+    /// backlog scenario's rounds: a CHECKPOINT (on PostgreSQL), then a wait of at most
     /// this long for this machine's CPU to fall under 25 % busy, so that
     /// what the work before left behind (a million rows to vacuum, WAL to
     /// write) is not measured. 0s skips both.
