@@ -32,6 +32,10 @@ pub async fn run(
             () = stop.cancelled() => return,
             _ = ticker.tick() => {}
         }
+        // Once per interval, not per batch: the reading only drifts slowly.
+        if let Err(err) = store.read_clock().await {
+            tracing::warn!(error = %err, "reading the database's clock failed; retrying next interval");
+        }
         loop {
             match store.reap(BATCH, retention).await {
                 Ok(reaped) => {

@@ -338,6 +338,13 @@ pub trait Store: Send + Sync + 'static {
     /// The database's time as this replica knows it, for checks taken
     /// before any statement (see `db_clock`).
     fn now(&self) -> chrono::DateTime<chrono::Utc>;
+
+    /// Reads the database's clock again for [`Store::now`]; the reaper
+    /// calls it once per interval. A store whose clock is the process's
+    /// has nothing to read.
+    async fn read_clock(&self) -> StoreResult<()> {
+        Ok(())
+    }
 }
 
 /// [`Store::complete_and_lease`] as two store calls, one after the other.

@@ -80,7 +80,7 @@ pub struct PgStore {
     unreadable: Unreadable,
     /// Jobs this replica leased, for their `Complete` (see `pg_leased`).
     leased: Leased,
-    /// The database's clock, read again on every reaper pass.
+    /// The database's clock, read at open and then by the reaper.
     clock: DbClock,
 }
 
@@ -1232,18 +1232,6 @@ impl PgStore {
         Ok(store)
     }
 
-    /// Reads the database's clock (see `db_clock`). The connection is taken
-    /// first, so that only the query's round trip is timed.
-    async fn read_clock(&self) -> StoreResult<()> {
-        let mut conn = self.pool.acquire().await?;
-        let sent = Utc::now();
-        let db_time: DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
-            .fetch_one(&mut *conn)
-            .await?;
-        self.clock.observe(sent, db_time, Utc::now());
-        Ok(())
-    }
-
     /// `Complete` in one transaction that locks the jobs' rows (and, when
     /// an outcome counts against a circuit breaker, the breakers' rows).
     async fn complete_locked(
@@ -2115,8 +2103,6 @@ impl Store for PgStore {
 
     #[tracing::instrument(name = "store.reap", skip_all)]
     async fn reap(&self, batch: u32, retention: Duration) -> StoreResult<Reaped> {
-        // Every replica reaps on a timer: the clock's reading stays that fresh.
-        self.read_clock().await?;
         let mut tx = self.pool.begin().await?;
         let expired_leases = sqlx::query(
             "SELECT *, now() AS db_now FROM jobs
@@ -2263,6 +2249,18 @@ impl Store for PgStore {
 
     fn now(&self) -> DateTime<Utc> {
         self.clock.now()
+    }
+
+    /// The connection is taken first, so that only the query's round trip
+    /// is timed.
+    async fn read_clock(&self) -> StoreResult<()> {
+        let mut conn = self.pool.acquire().await?;
+        let sent = Utc::now();
+        let db_time: DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+            .fetch_one(&mut *conn)
+            .await?;
+        self.clock.observe(sent, db_time, Utc::now());
+        Ok(())
     }
 }
 
