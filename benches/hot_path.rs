@@ -21,6 +21,7 @@ use uuid::Uuid;
 use intray::api::convert;
 use intray::domain::hash::{HashInput, canonical_form, input_hash};
 use intray::domain::validate::{self, Limits};
+use intray::domain::webhook::AddressPolicy;
 use intray::domain::{Backoff, Job, JobState, transition};
 use intray::pb;
 
@@ -36,7 +37,6 @@ fn limits() -> Limits {
         max_payload_bytes: 1024 * 1024,
         default_lease: Duration::from_secs(60),
         max_lease: Duration::from_secs(3600),
-        callbacks: Default::default(),
     }
 }
 
@@ -127,7 +127,8 @@ fn submit(c: &mut Criterion) {
                 let request = pb::SubmitRequest::decode(black_box(bytes.as_slice()))
                     .expect("the request decodes");
                 let input = convert::submit_input(request).expect("the request converts");
-                validate::submit(input, &limits, now).expect("the request is valid")
+                validate::submit(input, &limits, &AddressPolicy::default(), now)
+                    .expect("the request is valid")
             })
         });
     }

@@ -365,7 +365,9 @@ impl ServeArgs {
         s.webhooks.max_body_bytes = self.webhook_max_body_bytes;
         s.webhooks.ca_file = self.webhook_ca_file.clone();
         if let Some(path) = &self.webhooks_file {
-            s.webhooks.load_file(path).map_err(|e| e.to_string())?;
+            s.webhooks.keys =
+                crate::config::webhooks::WebhookKeys::from_file(path).map_err(|e| e.to_string())?;
+            s.webhooks.file = Some(path.clone());
         }
         Ok(s)
     }

@@ -1,5 +1,6 @@
 //! Typed server settings with the defaults of SPEC section 3.
 
+pub mod webhook_source;
 pub mod webhooks;
 
 use std::path::PathBuf;

@@ -168,6 +168,7 @@ pub async fn run_with(
     let jobs = JobServiceServer::from_arc(Arc::clone(&jobs_api))
         .max_decoding_message_size(MAX_REQUEST_BYTES)
         .max_encoding_message_size(MAX_RESPONSE_BYTES);
+    let webhook_keys = Arc::clone(&ctx.webhook_keys);
     let workers = WorkerServiceServer::new(WorkersApi::new(ctx))
         .max_decoding_message_size(MAX_REQUEST_BYTES)
         .max_encoding_message_size(MAX_RESPONSE_BYTES);
@@ -188,13 +189,14 @@ pub async fn run_with(
     let dispatcher = Arc::new(crate::engine::webhooks::Dispatcher::new(
         Arc::clone(&store),
         Arc::new(crate::api::job_json),
-        webhooks.clone(),
+        &webhooks,
+        Arc::clone(&webhook_keys),
         Arc::clone(&metrics),
     ));
     let dispatcher_task = tokio::spawn(dispatcher.run(stop.clone()));
     let http_task = http.map(|listener| {
         let ingress = crate::http::Ingress::new(
-            webhooks.sources,
+            Arc::clone(&webhook_keys),
             webhooks.max_body_bytes,
             Arc::clone(&jobs_api),
             Arc::clone(&metrics),
@@ -217,6 +219,16 @@ pub async fn run_with(
             reload_interval,
             stop.clone(),
             move || tokens.reload_and_log(),
+        )));
+    }
+    if let Some(path) = webhook_keys.file() {
+        let keys = Arc::clone(&webhook_keys);
+        watchers.push(tokio::spawn(crate::reload::watch(
+            "webhooks file",
+            vec![path.to_owned()],
+            reload_interval,
+            stop.clone(),
+            move || keys.reload_and_log(),
         )));
     }
     if let Some(tls) = &tls {

@@ -15,6 +15,11 @@
 //!   delivery still delivers once restarted, and its reconciliation sweep
 //!   writes a delivery row that went missing. Over `https`, the receiver's
 //!   certificate is checked against the configured CA.
+//! - The webhooks file, rewritten while the server runs: a callback refused
+//!   by a receiver that already has the rotated secret arrives once the file
+//!   has it too, a widened allow-list admits a callback at `Submit`, a
+//!   swapped ingress source answers and the removed one is `404`; a broken
+//!   file then keeps all of it.
 //!
 //! A missing python3, venv module or pip fails the test: it never skips.
 
@@ -53,6 +58,7 @@ common::backend_tests!(
     callbacks_to_names_of_private_addresses_are_refused_at_delivery,
     callbacks_reach_a_verifying_receiver_after_an_outage,
     callbacks_survive_a_server_killed_before_delivery,
+    the_webhooks_file_is_reloaded_while_serving,
 );
 
 const TENANT: &str = "acme";
@@ -142,14 +148,14 @@ async fn post_signed(
 }
 
 fn webhook_settings(s: &mut Settings) {
-    s.webhooks.default_secret = Some(Secret::parse(SECRET).expect("secret"));
-    s.webhooks.allow = AddressPolicy::parse(&["127.0.0.1"]).expect("allow-list");
+    s.webhooks.keys.default_secret = Some(Secret::parse(SECRET).expect("secret"));
+    s.webhooks.keys.allow = AddressPolicy::parse(&["127.0.0.1"]).expect("allow-list");
     s.webhooks.backoff =
         Backoff::try_new(Duration::from_millis(100), Duration::from_millis(500)).expect("backoff");
     s.webhooks.poll = Duration::from_millis(100);
     s.reaper_interval = Duration::from_millis(200);
     s.webhooks.max_body_bytes = 4096;
-    s.webhooks.sources.insert(
+    s.webhooks.keys.sources.insert(
         "payments".into(),
         IngressSource {
             secret: Secret::parse(SOURCE_SECRET).expect("secret"),
@@ -363,14 +369,15 @@ struct Receiver {
 
 impl Receiver {
     async fn start(port: u16, fail_first: u32) -> Receiver {
-        Receiver::start_with(port, fail_first, &[]).await
+        Receiver::start_with(SECRET, port, fail_first, &[]).await
     }
 
-    /// With `tls` = [certificate file, key file] it speaks HTTPS.
-    async fn start_with(port: u16, fail_first: u32, tls: &[&Path]) -> Receiver {
+    /// Verifying with `secret`; with `tls` = [certificate file, key file] it
+    /// speaks HTTPS.
+    async fn start_with(secret: &str, port: u16, fail_first: u32, tls: &[&Path]) -> Receiver {
         let mut child = Command::new(python())
             .arg(manifest_dir().join("tests/webhooks/receiver.py"))
-            .args([SECRET.to_owned(), port.to_string(), fail_first.to_string()])
+            .args([secret.to_owned(), port.to_string(), fail_first.to_string()])
             .args(tls)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -649,7 +656,7 @@ async fn callbacks_over_https_check_the_receiver_certificate(backend: Backend) {
         s.webhooks.ca_file = Some(ca_file.clone());
     })
     .await;
-    let receiver = Receiver::start_with(port, 0, &[&cert_file, &key_file]).await;
+    let receiver = Receiver::start_with(SECRET, port, 0, &[&cert_file, &key_file]).await;
     let mut jobs = server.jobs_client(TENANT);
     let mut workers = server.workers_client(TENANT);
     // `localhost` resolves to 127.0.0.1, which the allow-list permits; the
@@ -675,7 +682,7 @@ async fn callbacks_to_names_of_private_addresses_are_refused_at_delivery(backend
     // and fails for good without a request.
     let server = TestServer::start_with(backend, |s| {
         webhook_settings(s);
-        s.webhooks.allow = AddressPolicy::default();
+        s.webhooks.keys.allow = AddressPolicy::default();
     })
     .await;
     let mut jobs = server.jobs_client(TENANT);
@@ -751,6 +758,123 @@ async fn callbacks_survive_a_server_killed_before_delivery(backend: Backend) {
         assert_eq!(seen.len(), 1, "{id} accepted once");
         assert_eq!(seen[0][0], "job.succeeded");
     }
+    receiver.stop().await;
+    server.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// Reloading the webhooks file
+// ---------------------------------------------------------------------------
+
+/// A webhooks file: a default secret, an allow-list, one ingress source.
+fn webhooks_file(secret: &str, allow: &[&str], source: &str, source_secret: &str) -> String {
+    json!({
+        "default_secret": secret,
+        "allow": allow,
+        "sources": {source: {"secret": source_secret, "tenant": TENANT, "queue": "hooks", "kind": "event"}},
+    })
+    .to_string()
+}
+
+/// Replaces the file by a rename, as a Kubernetes Secret volume does.
+fn replace_file(path: &Path, text: &str) {
+    let next = path.with_extension("next");
+    std::fs::write(&next, text).expect("write the next file");
+    std::fs::rename(&next, path).expect("rename it into place");
+}
+
+async fn the_webhooks_file_is_reloaded_while_serving(backend: Backend) {
+    let _ = python();
+    const ROTATED: &str = "whsec_cm90YXRlZC1zZWNyZXQtZm9yLXRoZS1yZWxvYWQtdGVzdA==";
+    const ORDERS_SECRET: &str = "whsec_b3JkZXJzLXByb3ZpZGVyLWtleS1mb3ItdGhlLXJlbG9hZA==";
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("webhooks.json");
+    std::fs::write(
+        &file,
+        webhooks_file(SECRET, &["127.0.0.1"], "payments", SOURCE_SECRET),
+    )
+    .expect("write the first file");
+    let server = TestServer::start_with(backend, |s| {
+        webhook_settings(s);
+        s.webhooks.keys =
+            intray::config::webhooks::WebhookKeys::from_file(&file).expect("a valid file");
+        s.webhooks.file = Some(file.clone());
+        s.reload_interval = Duration::from_millis(100);
+    })
+    .await;
+    let addr = server.http_addr;
+    let mut jobs = server.jobs_client(TENANT);
+    let mut workers = server.workers_client(TENANT);
+    let now = || chrono::Utc::now().timestamp();
+    let body = br#"{"n": 1}"#;
+
+    // The receiver has rotated to the new secret before intray has: the
+    // callback of a job finished now is refused, and retried.
+    let port = free_port();
+    let receiver = Receiver::start_with(ROTATED, port, 0, &[]).await;
+    let mut r = submit_req("reload", "k", json!({}));
+    r.callback_url = format!("http://127.0.0.1:{port}/hook");
+    let job = submit_with(&mut jobs, r).await;
+    let leased = lease_one(&mut workers, "w", "reload").await;
+    complete_ok(&mut workers, &leased).await;
+    let started = Instant::now();
+    while !receiver.lines().iter().any(|l| l.starts_with("REJECT")) {
+        assert!(started.elapsed() < LONG, "{:?}", receiver.lines());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut elsewhere = submit_req("reload", "k", json!({"n": 2}));
+    elsewhere.callback_url = "http://127.0.0.2:9/".into();
+    expect_invalid(
+        jobs.submit(elsewhere.clone()).await,
+        &["callback_url"],
+        "a callback to an address the allow-list does not name yet",
+    );
+    let (status, _) = post_signed(addr, "payments", "p1", now(), SOURCE_SECRET, body).await;
+    assert_eq!(status, 200, "the first file's source");
+
+    // The operator rotates the secret, widens the allow-list and swaps the
+    // ingress source, without a restart.
+    replace_file(
+        &file,
+        &webhooks_file(
+            ROTATED,
+            &["127.0.0.1", "127.0.0.2"],
+            "orders",
+            ORDERS_SECRET,
+        ),
+    );
+    let started = Instant::now();
+    loop {
+        let (status, answer) = post_signed(addr, "orders", "o1", now(), ORDERS_SECRET, body).await;
+        if status == 200 {
+            break;
+        }
+        assert_eq!(status, 404, "{answer}");
+        assert!(started.elapsed() < LONG, "the new source never appeared");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (status, _) = post_signed(addr, "payments", "p2", now(), SOURCE_SECRET, body).await;
+    assert_eq!(status, 404, "a removed source is gone");
+    jobs.submit(elsewhere.clone())
+        .await
+        .expect("the widened allow-list admits the callback");
+    let accepted = receiver.wait_accepted(1).await;
+    let seen: Vec<&Vec<String>> = accepted.values().flatten().collect();
+    assert_eq!(
+        (seen[0][0].as_str(), seen[0][2].as_str()),
+        ("job.succeeded", job.id.as_str()),
+        "the retry after the reload is signed with the rotated secret"
+    );
+
+    // A broken file keeps what is in force.
+    replace_file(&file, r#"{"sources": {"orders": "#);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let (status, _) = post_signed(addr, "orders", "o2", now(), ORDERS_SECRET, body).await;
+    assert_eq!(status, 200, "a failed reload kept the source");
+    elsewhere.payload = submit_req("reload", "k", json!({"n": 3})).payload;
+    jobs.submit(elsewhere)
+        .await
+        .expect("a failed reload kept the allow-list");
     receiver.stop().await;
     server.stop().await;
 }

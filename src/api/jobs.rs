@@ -65,7 +65,8 @@ impl JobsApi {
 
     fn validate_submit(&self, request: pb::SubmitRequest) -> Result<NewJob, ValidationError> {
         let input = convert::submit_input(request)?;
-        validate::submit(input, &self.ctx.limits, self.ctx.store.now())
+        let keys = self.ctx.webhook_keys.current();
+        validate::submit(input, &self.ctx.limits, &keys.allow, self.ctx.store.now())
     }
 }
 

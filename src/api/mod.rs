@@ -23,6 +23,7 @@ use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Settings;
+use crate::config::webhook_source::WebhookKeysSource;
 use crate::domain::Backoff;
 use crate::domain::validate::Limits;
 use crate::engine::batchers::Batchers;
@@ -31,8 +32,8 @@ use crate::engine::observer::Observer;
 use crate::store::Store;
 
 /// What every service needs: the store and its coalescers, the notifier, the observer
-/// (logs, spans, metrics), the settings, and a token that ends long-polls
-/// and streams at shutdown.
+/// (logs, spans, metrics), the settings, the webhook keys in force, and a
+/// token that ends long-polls and streams at shutdown.
 #[derive(Clone)]
 pub struct Context {
     pub store: Arc<dyn Store>,
@@ -42,6 +43,9 @@ pub struct Context {
     pub observer: Arc<Observer>,
     pub settings: Arc<Settings>,
     pub limits: Limits,
+    /// Secrets, callback allow-list and ingress sources; reloaded from the
+    /// webhooks file while the server runs.
+    pub webhook_keys: Arc<WebhookKeysSource>,
     pub shutdown: CancellationToken,
 }
 
@@ -60,8 +64,11 @@ impl Context {
             max_payload_bytes: settings.max_payload_bytes,
             default_lease: settings.default_lease,
             max_lease: settings.max_lease,
-            callbacks: settings.webhooks.allow.clone(),
         };
+        let webhook_keys = Arc::new(WebhookKeysSource::new(
+            settings.webhooks.keys.clone(),
+            settings.webhooks.file.clone(),
+        ));
         Ok(Context {
             batchers: Arc::new(Batchers::start(
                 Arc::clone(&store),
@@ -73,6 +80,7 @@ impl Context {
             observer,
             settings: Arc::new(settings),
             limits,
+            webhook_keys,
             shutdown,
         })
     }

@@ -49,9 +49,11 @@ pub struct IngressSource {
     pub kind: String,
 }
 
-/// Everything about webhooks, both directions.
-#[derive(Clone, Debug)]
-pub struct WebhookSettings {
+/// What the webhooks file sets: the signing secrets, the callback
+/// allow-list and the ingress sources. Replaced whole when the file is
+/// reloaded ([`WebhookKeysSource`](super::webhook_source::WebhookKeysSource)).
+#[derive(Clone, Debug, Default)]
+pub struct WebhookKeys {
     /// Signing secret of each tenant's callbacks.
     pub tenant_secrets: BTreeMap<String, Secret>,
     /// Secret of tenants without their own (the single-tenant, no-auth case).
@@ -60,6 +62,81 @@ pub struct WebhookSettings {
     pub allow: AddressPolicy,
     /// Ingress sources by name.
     pub sources: BTreeMap<String, IngressSource>,
+}
+
+impl WebhookKeys {
+    /// The secret that signs `tenant`'s callbacks, if one is configured.
+    pub fn secret_for(&self, tenant: &str) -> Option<&Secret> {
+        self.tenant_secrets
+            .get(tenant)
+            .or(self.default_secret.as_ref())
+    }
+
+    /// Reads secrets, allow-list and sources from a JSON file (README,
+    /// "Webhooks"); any bad entry refuses the whole file.
+    pub fn from_file(path: &Path) -> Result<WebhookKeys, WebhooksFileError> {
+        let shown = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| WebhooksFileError::Read {
+            path: shown.clone(),
+            source,
+        })?;
+        let file: File = serde_json::from_str(&text).map_err(|source| WebhooksFileError::Json {
+            path: shown.clone(),
+            source,
+        })?;
+        let value = |what: &str| {
+            let path = shown.clone();
+            let what = what.to_owned();
+            move |source| WebhooksFileError::Value { path, what, source }
+        };
+        let mut keys = WebhookKeys {
+            default_secret: file
+                .default_secret
+                .as_deref()
+                .map(Secret::parse)
+                .transpose()
+                .map_err(value("default_secret"))?,
+            allow: AddressPolicy::parse(&file.allow).map_err(value("allow"))?,
+            ..WebhookKeys::default()
+        };
+        for (tenant, secret) in &file.tenant_secrets {
+            let secret =
+                Secret::parse(secret).map_err(value(&format!("tenant_secrets.{tenant}")))?;
+            keys.tenant_secrets.insert(tenant.clone(), secret);
+        }
+        for (name, source) in file.sources {
+            let bad = |reason: String| WebhooksFileError::Source {
+                path: shown.clone(),
+                source_name: name.clone(),
+                reason,
+            };
+            validate::queue("source", &name).map_err(|e| bad(e.to_string()))?;
+            let secret = Secret::parse(&source.secret).map_err(|e| bad(e.to_string()))?;
+            let tenant =
+                validate::queue("tenant", &source.tenant).map_err(|e| bad(e.to_string()))?;
+            let queue = validate::queue("queue", &source.queue).map_err(|e| bad(e.to_string()))?;
+            let kind = validate::kind("kind", &source.kind).map_err(|e| bad(e.to_string()))?;
+            keys.sources.insert(
+                name.clone(),
+                IngressSource {
+                    secret,
+                    tenant,
+                    queue,
+                    kind,
+                },
+            );
+        }
+        Ok(keys)
+    }
+}
+
+/// Everything about webhooks, both directions.
+#[derive(Clone, Debug)]
+pub struct WebhookSettings {
+    /// Secrets, allow-list and ingress sources as the server starts.
+    pub keys: WebhookKeys,
+    /// The file `keys` came from, re-read when it changes or on SIGHUP.
+    pub file: Option<PathBuf>,
     /// Longest a callback request may take.
     pub timeout: Duration,
     /// How long a callback is retried before it is marked failed.
@@ -78,10 +155,8 @@ pub struct WebhookSettings {
 impl Default for WebhookSettings {
     fn default() -> Self {
         WebhookSettings {
-            tenant_secrets: BTreeMap::new(),
-            default_secret: None,
-            allow: AddressPolicy::default(),
-            sources: BTreeMap::new(),
+            keys: WebhookKeys::default(),
+            file: None,
             timeout: Duration::from_secs(10),
             retry_window: Duration::from_secs(24 * 3600),
             backoff: match Backoff::try_new(Duration::from_secs(1), Duration::from_secs(3600)) {
@@ -92,69 +167,6 @@ impl Default for WebhookSettings {
             max_body_bytes: 256 * 1024,
             ca_file: None,
         }
-    }
-}
-
-impl WebhookSettings {
-    /// The secret that signs `tenant`'s callbacks, if one is configured.
-    pub fn secret_for(&self, tenant: &str) -> Option<&Secret> {
-        self.tenant_secrets
-            .get(tenant)
-            .or(self.default_secret.as_ref())
-    }
-
-    /// Reads secrets, allow-list and sources from a JSON file (README,
-    /// "Webhooks"); timings keep their current values.
-    pub fn load_file(&mut self, path: &Path) -> Result<(), WebhooksFileError> {
-        let shown = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| WebhooksFileError::Read {
-            path: shown.clone(),
-            source,
-        })?;
-        let file: File = serde_json::from_str(&text).map_err(|source| WebhooksFileError::Json {
-            path: shown.clone(),
-            source,
-        })?;
-        let value = |what: &str| {
-            let path = shown.clone();
-            let what = what.to_owned();
-            move |source| WebhooksFileError::Value { path, what, source }
-        };
-        self.default_secret = file
-            .default_secret
-            .as_deref()
-            .map(Secret::parse)
-            .transpose()
-            .map_err(value("default_secret"))?;
-        for (tenant, secret) in &file.tenant_secrets {
-            let secret =
-                Secret::parse(secret).map_err(value(&format!("tenant_secrets.{tenant}")))?;
-            self.tenant_secrets.insert(tenant.clone(), secret);
-        }
-        self.allow = AddressPolicy::parse(&file.allow).map_err(value("allow"))?;
-        for (name, source) in file.sources {
-            let bad = |reason: String| WebhooksFileError::Source {
-                path: shown.clone(),
-                source_name: name.clone(),
-                reason,
-            };
-            validate::queue("source", &name).map_err(|e| bad(e.to_string()))?;
-            let secret = Secret::parse(&source.secret).map_err(|e| bad(e.to_string()))?;
-            let tenant =
-                validate::queue("tenant", &source.tenant).map_err(|e| bad(e.to_string()))?;
-            let queue = validate::queue("queue", &source.queue).map_err(|e| bad(e.to_string()))?;
-            let kind = validate::kind("kind", &source.kind).map_err(|e| bad(e.to_string()))?;
-            self.sources.insert(
-                name.clone(),
-                IngressSource {
-                    secret,
-                    tenant,
-                    queue,
-                    kind,
-                },
-            );
-        }
-        Ok(())
     }
 }
 
@@ -205,8 +217,7 @@ mod tests {
             ),
         )
         .expect("write");
-        let mut s = WebhookSettings::default();
-        s.load_file(&path).expect("valid file");
+        let s = WebhookKeys::from_file(&path).expect("valid file");
         assert!(s.secret_for("acme").is_some() && s.secret_for("other").is_some());
         assert_eq!(s.sources["stripe"].tenant, "default");
         assert!(s.allow.allows_ip("127.0.0.1".parse().expect("ip")));
@@ -216,12 +227,10 @@ mod tests {
             r#"{"sources": {"x": {"secret": "nope", "queue": "q", "kind": "k"}}}"#,
         )
         .expect("write");
-        let err = WebhookSettings::default()
-            .load_file(&path)
-            .expect_err("bad secret");
+        let err = WebhookKeys::from_file(&path).expect_err("bad secret");
         assert!(err.to_string().contains("\"x\""), "{err}");
         std::fs::write(&path, r#"{"secrets": {}}"#).expect("write");
-        assert!(WebhookSettings::default().load_file(&path).is_err());
+        assert!(WebhookKeys::from_file(&path).is_err());
         std::fs::remove_dir_all(&dir).ok();
     }
 }

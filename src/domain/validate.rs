@@ -44,8 +44,6 @@ pub struct Limits {
     pub max_payload_bytes: usize,
     pub default_lease: Duration,
     pub max_lease: Duration,
-    /// Which non-public addresses a `callback_url` may name.
-    pub callbacks: AddressPolicy,
 }
 
 /// Largest number of attempts a job may have.
@@ -226,9 +224,15 @@ fn callback_url(value: &str, policy: &AddressPolicy) -> Result<Option<String>> {
     }
 }
 
-/// Validates a submission and applies the defaults. `now` is only used to
+/// Validates a submission and applies the defaults. `callbacks` says which
+/// non-public addresses a `callback_url` may name; `now` is only used to
 /// refuse a deadline that has already passed.
-pub fn submit(input: SubmitInput, limits: &Limits, now: DateTime<Utc>) -> Result<NewJob> {
+pub fn submit(
+    input: SubmitInput,
+    limits: &Limits,
+    callbacks: &AddressPolicy,
+    now: DateTime<Utc>,
+) -> Result<NewJob> {
     let queue = queue("queue", &input.queue)?;
     let kind = kind("kind", &input.kind)?;
     json_value("payload", &input.payload, limits.max_payload_bytes)?;
@@ -269,7 +273,7 @@ pub fn submit(input: SubmitInput, limits: &Limits, now: DateTime<Utc>) -> Result
         }
     }
     labels("labels", &input.labels)?;
-    let callback_url = callback_url(&input.callback_url, &limits.callbacks)?;
+    let callback_url = callback_url(&input.callback_url, callbacks)?;
     if input.max_cost_cents.is_some_and(|max| max < 1) {
         return Err(ValidationError::new(
             "max_cost_cents",
@@ -602,7 +606,6 @@ mod tests {
             max_payload_bytes: 1024,
             default_lease: Duration::from_secs(60),
             max_lease: Duration::from_secs(3600),
-            callbacks: AddressPolicy::default(),
         }
     }
 
@@ -616,12 +619,14 @@ mod tests {
     }
 
     fn field_of(input: SubmitInput) -> String {
-        submit(input, &limits(), Utc::now()).unwrap_err().field
+        submit(input, &limits(), &AddressPolicy::default(), Utc::now())
+            .unwrap_err()
+            .field
     }
 
     #[test]
     fn defaults_are_applied() {
-        let job = submit(good(), &limits(), Utc::now()).expect("valid");
+        let job = submit(good(), &limits(), &AddressPolicy::default(), Utc::now()).expect("valid");
         assert_eq!(job.max_attempts, 3);
         assert_eq!(job.backoff, limits().default_backoff);
         assert_eq!(job.idempotency_key, None);

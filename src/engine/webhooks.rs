@@ -28,9 +28,10 @@ use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
 use tokio_rustls::rustls::{self, ClientConfig, RootCertStore};
 use tokio_util::sync::CancellationToken;
 
+use crate::config::webhook_source::WebhookKeysSource;
 use crate::config::webhooks::WebhookSettings;
-use crate::domain::Job;
 use crate::domain::webhook::{self, AfterFailure, Target};
+use crate::domain::{Backoff, Job};
 use crate::store::outbox::{Attempted, Delivery, Outbox};
 use crate::store::{Store, StoreError};
 use crate::telemetry::Metrics;
@@ -68,12 +69,24 @@ impl From<StoreError> for SendError {
     }
 }
 
+/// The delivery timings of [`WebhookSettings`]; its keys are read from the
+/// [`WebhookKeysSource`], which reloads them.
+struct Timings {
+    timeout: Duration,
+    retry_window: Duration,
+    backoff: Backoff,
+    poll: Duration,
+}
+
 /// The dispatcher of one replica.
 pub struct Dispatcher {
     store: Arc<dyn Store>,
     outbox: Arc<dyn Outbox>,
     render: RenderJob,
-    settings: WebhookSettings,
+    timings: Timings,
+    /// Secrets and allow-list, read at each attempt: a rotated secret signs
+    /// the next attempt.
+    keys: Arc<WebhookKeysSource>,
     metrics: Arc<Metrics>,
     tls: Option<TlsConnector>,
 }
@@ -85,7 +98,8 @@ impl Dispatcher {
     pub fn new(
         store: Arc<dyn Store>,
         render: RenderJob,
-        settings: WebhookSettings,
+        settings: &WebhookSettings,
+        keys: Arc<WebhookKeysSource>,
         metrics: Arc<Metrics>,
     ) -> Dispatcher {
         let roots = settings
@@ -104,7 +118,13 @@ impl Dispatcher {
             outbox: store.outbox(),
             store,
             render,
-            settings,
+            timings: Timings {
+                timeout: settings.timeout,
+                retry_window: settings.retry_window,
+                backoff: settings.backoff,
+                poll: settings.poll,
+            },
+            keys,
             metrics,
             tls,
         }
@@ -113,11 +133,11 @@ impl Dispatcher {
     /// Delivers until `stop` fires: a pass every `poll`, followed at once by
     /// another when it filled its batch; a reconciliation sweep every minute.
     pub async fn run(self: Arc<Self>, stop: CancellationToken) {
-        let mut ticker = tokio::time::interval(self.settings.poll);
+        let mut ticker = tokio::time::interval(self.timings.poll);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut swept_at: Option<tokio::time::Instant> = None;
         // A claimed row comes back after this if this replica dies mid-send.
-        let hold = self.settings.timeout + Duration::from_secs(30);
+        let hold = self.timings.timeout + Duration::from_secs(30);
         loop {
             tokio::select! {
                 () = stop.cancelled() => return,
@@ -125,7 +145,7 @@ impl Dispatcher {
             }
             if swept_at.is_none_or(|t| t.elapsed() >= SWEEP_EVERY) {
                 swept_at = Some(tokio::time::Instant::now());
-                match self.outbox.reconcile(self.settings.retry_window, 500).await {
+                match self.outbox.reconcile(self.timings.retry_window, 500).await {
                     Ok(0) => {}
                     Ok(n) => tracing::info!(rows = n, "webhook sweep wrote missing deliveries"),
                     Err(err) => tracing::warn!(error = %err, "webhook sweep failed"),
@@ -150,12 +170,12 @@ impl Dispatcher {
 
     /// One attempt of one delivery, recorded.
     async fn deliver(&self, delivery: Delivery) {
-        let answer = tokio::time::timeout(self.settings.timeout, self.send(&delivery))
+        let answer = tokio::time::timeout(self.timings.timeout, self.send(&delivery))
             .await
             .unwrap_or_else(|_| {
                 Err(SendError::Transient(format!(
                     "no answer within {:?}",
-                    self.settings.timeout
+                    self.timings.timeout
                 )))
             });
         let attempt = delivery.attempts + 1;
@@ -174,10 +194,10 @@ impl Dispatcher {
                     .to_std()
                     .unwrap_or_default();
                 match webhook::after_failure(
-                    &self.settings.backoff,
+                    &self.timings.backoff,
                     attempt,
                     age,
-                    self.settings.retry_window,
+                    self.timings.retry_window,
                     rand::random::<f64>(),
                 ) {
                     AfterFailure::Retry(delay) => Attempted::Retry {
@@ -218,7 +238,8 @@ impl Dispatcher {
 
     /// Signs and POSTs the event; `Ok` with a 2xx status.
     async fn send(&self, delivery: &Delivery) -> Result<u16, SendError> {
-        let secret = self.settings.secret_for(&delivery.tenant).ok_or_else(|| {
+        let keys = self.keys.current();
+        let secret = keys.secret_for(&delivery.tenant).ok_or_else(|| {
             SendError::Permanent(format!(
                 "no webhook secret configured for tenant {:?}",
                 delivery.tenant
@@ -289,7 +310,8 @@ impl Dispatcher {
     /// resolution (so a name that starts resolving to a private address,
     /// DNS rebinding, is refused at the next attempt).
     async fn resolve(&self, target: &Target) -> Result<SocketAddr, SendError> {
-        let allow = &self.settings.allow;
+        let keys = self.keys.current();
+        let allow = &keys.allow;
         if let Some(ip) = target.literal_ip() {
             return if allow.allows_ip(ip) {
                 Ok(SocketAddr::new(ip, target.port))

@@ -7,9 +7,10 @@
 //! as the payload of a job of the source's queue and kind, with the
 //! `webhook-id` as its idempotency key, so that a repeated delivery finds
 //! the first job (`200`, nothing created). The handler only verifies and
-//! submits: the work happens in a worker.
+//! submits: the work happens in a worker. Sources are those of the webhooks
+//! file as it is when the request arrives (it is reloaded while the server
+//! runs).
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::body::Body;
@@ -23,6 +24,7 @@ use super::body;
 use super::error::HttpError;
 use crate::api::JobsApi;
 use crate::auth::{Identity, Role};
+use crate::config::webhook_source::WebhookKeysSource;
 use crate::config::webhooks::IngressSource;
 use crate::domain::webhook::VerifyError;
 use crate::pb;
@@ -31,22 +33,22 @@ use crate::telemetry::Metrics;
 
 /// What the ingress route needs.
 pub struct Ingress {
-    sources: BTreeMap<String, IngressSource>,
+    keys: Arc<WebhookKeysSource>,
     max_body_bytes: usize,
     jobs: Arc<JobsApi>,
     metrics: Arc<Metrics>,
 }
 
 impl Ingress {
-    /// An ingress for the configured `sources`, submitting into `jobs`.
+    /// An ingress for the sources in `keys`, submitting into `jobs`.
     pub fn new(
-        sources: BTreeMap<String, IngressSource>,
+        keys: Arc<WebhookKeysSource>,
         max_body_bytes: usize,
         jobs: Arc<JobsApi>,
         metrics: Arc<Metrics>,
     ) -> Ingress {
         Ingress {
-            sources,
+            keys,
             max_body_bytes,
             jobs,
             metrics,
@@ -73,18 +75,25 @@ pub async fn receive(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let known = ingress.sources.contains_key(&source);
-    let response = handle(&ingress, &source, &headers, body).await;
+    let keys = ingress.keys.current();
+    let known = keys.sources.get(&source);
+    let response = handle(&ingress, known, &source, &headers, body).await;
     // Unknown names are not labels: a scanner must not grow the metric.
-    let label = if known { source.as_str() } else { "" };
+    let label = if known.is_some() { source.as_str() } else { "" };
     ingress
         .metrics
         .webhook_ingress(label, response.status().as_u16());
     response
 }
 
-async fn handle(ingress: &Ingress, name: &str, headers: &HeaderMap, body: Body) -> Response {
-    let Some(source) = ingress.sources.get(name) else {
+async fn handle(
+    ingress: &Ingress,
+    source: Option<&IngressSource>,
+    name: &str,
+    headers: &HeaderMap,
+    body: Body,
+) -> Response {
+    let Some(source) = source else {
         return refuse(StatusCode::NOT_FOUND, "unknown webhook source");
     };
     let Ok(body) = axum::body::to_bytes(body, ingress.max_body_bytes).await else {
