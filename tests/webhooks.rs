@@ -17,9 +17,11 @@
 //!   certificate is checked against the configured CA.
 //! - The webhooks file, rewritten while the server runs: a callback refused
 //!   by a receiver that already has the rotated secret arrives once the file
-//!   has it too, a widened allow-list admits a callback at `Submit`, a
-//!   swapped ingress source answers and the removed one is `404`; a broken
-//!   file then keeps all of it.
+//!   lists it beside the old one, and a receiver still on the old secret
+//!   accepts callbacks signed with both; a widened allow-list admits a
+//!   callback at `Submit`; a swapped ingress source answers to either of
+//!   its secrets and the removed one is `404`; a broken file then keeps all
+//!   of it.
 //!
 //! A missing python3, venv module or pip fails the test: it never skips.
 
@@ -45,7 +47,7 @@ use hyper_util::rt::TokioIo;
 use intray::config::Settings;
 use intray::config::webhooks::IngressSource;
 use intray::domain::Backoff;
-use intray::domain::webhook::{AddressPolicy, Secret};
+use intray::domain::webhook::{AddressPolicy, Keyring};
 use intray::pb;
 use serde_json::{Value, json};
 use sha2::Sha256;
@@ -148,7 +150,7 @@ async fn post_signed(
 }
 
 fn webhook_settings(s: &mut Settings) {
-    s.webhooks.keys.default_secret = Some(Secret::parse(SECRET).expect("secret"));
+    s.webhooks.keys.default_secret = Some(Keyring::parse(&[SECRET]).expect("secret"));
     s.webhooks.keys.allow = AddressPolicy::parse(&["127.0.0.1"]).expect("allow-list");
     s.webhooks.backoff =
         Backoff::try_new(Duration::from_millis(100), Duration::from_millis(500)).expect("backoff");
@@ -158,7 +160,7 @@ fn webhook_settings(s: &mut Settings) {
     s.webhooks.keys.sources.insert(
         "payments".into(),
         IngressSource {
-            secret: Secret::parse(SOURCE_SECRET).expect("secret"),
+            secret: Keyring::parse(&[SOURCE_SECRET]).expect("secret"),
             tenant: TENANT.into(),
             queue: "hooks".into(),
             kind: "payment.event".into(),
@@ -766,8 +768,9 @@ async fn callbacks_survive_a_server_killed_before_delivery(backend: Backend) {
 // Reloading the webhooks file
 // ---------------------------------------------------------------------------
 
-/// A webhooks file: a default secret, an allow-list, one ingress source.
-fn webhooks_file(secret: &str, allow: &[&str], source: &str, source_secret: &str) -> String {
+/// A webhooks file: default secrets, an allow-list, one ingress source
+/// (secrets: a string or a list).
+fn webhooks_file(secret: Value, allow: &[&str], source: &str, source_secret: Value) -> String {
     json!({
         "default_secret": secret,
         "allow": allow,
@@ -783,6 +786,28 @@ fn replace_file(path: &Path, text: &str) {
     std::fs::rename(&next, path).expect("rename it into place");
 }
 
+/// Submits a job with a callback to `url`, leases and completes it.
+async fn finish_with_callback(server: &TestServer, url: String) -> pb::Job {
+    let mut r = submit_req("reload", "k", json!({"to": url}));
+    r.callback_url = url;
+    let job = submit_with(&mut server.jobs_client(TENANT), r).await;
+    let mut workers = server.workers_client(TENANT);
+    let leased = lease_one(&mut workers, "w", "reload").await;
+    assert_eq!(leased.job_id, job.id);
+    complete_ok(&mut workers, &leased).await;
+    job
+}
+
+/// The job ids of the events a receiver accepted.
+fn accepted_jobs(receiver: &Receiver) -> Vec<String> {
+    receiver
+        .accepted()
+        .values()
+        .flatten()
+        .map(|words| words[2].clone())
+        .collect()
+}
+
 async fn the_webhooks_file_is_reloaded_while_serving(backend: Backend) {
     let _ = python();
     const ROTATED: &str = "whsec_cm90YXRlZC1zZWNyZXQtZm9yLXRoZS1yZWxvYWQtdGVzdA==";
@@ -791,7 +816,12 @@ async fn the_webhooks_file_is_reloaded_while_serving(backend: Backend) {
     let file = dir.path().join("webhooks.json");
     std::fs::write(
         &file,
-        webhooks_file(SECRET, &["127.0.0.1"], "payments", SOURCE_SECRET),
+        webhooks_file(
+            json!(SECRET),
+            &["127.0.0.1"],
+            "payments",
+            json!(SOURCE_SECRET),
+        ),
     )
     .expect("write the first file");
     let server = TestServer::start_with(backend, |s| {
@@ -804,25 +834,20 @@ async fn the_webhooks_file_is_reloaded_while_serving(backend: Backend) {
     .await;
     let addr = server.http_addr;
     let mut jobs = server.jobs_client(TENANT);
-    let mut workers = server.workers_client(TENANT);
     let now = || chrono::Utc::now().timestamp();
     let body = br#"{"n": 1}"#;
 
-    // The receiver has rotated to the new secret before intray has: the
-    // callback of a job finished now is refused, and retried.
-    let port = free_port();
-    let receiver = Receiver::start_with(ROTATED, port, 0, &[]).await;
-    let mut r = submit_req("reload", "k", json!({}));
-    r.callback_url = format!("http://127.0.0.1:{port}/hook");
-    let job = submit_with(&mut jobs, r).await;
-    let leased = lease_one(&mut workers, "w", "reload").await;
-    complete_ok(&mut workers, &leased).await;
+    // A receiver that has already moved to the new secret refuses the
+    // callback signed with the old one; it is retried.
+    let new_port = free_port();
+    let new_side = Receiver::start_with(ROTATED, new_port, 0, &[]).await;
+    let first = finish_with_callback(&server, format!("http://127.0.0.1:{new_port}/")).await;
     let started = Instant::now();
-    while !receiver.lines().iter().any(|l| l.starts_with("REJECT")) {
-        assert!(started.elapsed() < LONG, "{:?}", receiver.lines());
+    while !new_side.lines().iter().any(|l| l.starts_with("REJECT")) {
+        assert!(started.elapsed() < LONG, "{:?}", new_side.lines());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let mut elsewhere = submit_req("reload", "k", json!({"n": 2}));
+    let mut elsewhere = submit_req("elsewhere", "k", json!({}));
     elsewhere.callback_url = "http://127.0.0.2:9/".into();
     expect_invalid(
         jobs.submit(elsewhere.clone()).await,
@@ -832,15 +857,15 @@ async fn the_webhooks_file_is_reloaded_while_serving(backend: Backend) {
     let (status, _) = post_signed(addr, "payments", "p1", now(), SOURCE_SECRET, body).await;
     assert_eq!(status, 200, "the first file's source");
 
-    // The operator rotates the secret, widens the allow-list and swaps the
-    // ingress source, without a restart.
+    // Without a restart: callbacks signed with both secrets, a wider
+    // allow-list, and another ingress source that takes either of two.
     replace_file(
         &file,
         &webhooks_file(
-            ROTATED,
+            json!([ROTATED, SECRET]),
             &["127.0.0.1", "127.0.0.2"],
             "orders",
-            ORDERS_SECRET,
+            json!([ORDERS_SECRET, SOURCE_SECRET]),
         ),
     );
     let started = Instant::now();
@@ -853,28 +878,41 @@ async fn the_webhooks_file_is_reloaded_while_serving(backend: Backend) {
         assert!(started.elapsed() < LONG, "the new source never appeared");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    let (status, _) = post_signed(addr, "orders", "o2", now(), SOURCE_SECRET, body).await;
+    assert_eq!(status, 200, "the source's second secret");
     let (status, _) = post_signed(addr, "payments", "p2", now(), SOURCE_SECRET, body).await;
     assert_eq!(status, 404, "a removed source is gone");
     jobs.submit(elsewhere.clone())
         .await
         .expect("the widened allow-list admits the callback");
-    let accepted = receiver.wait_accepted(1).await;
-    let seen: Vec<&Vec<String>> = accepted.values().flatten().collect();
+    new_side.wait_accepted(1).await;
     assert_eq!(
-        (seen[0][0].as_str(), seen[0][2].as_str()),
-        ("job.succeeded", job.id.as_str()),
-        "the retry after the reload is signed with the rotated secret"
+        accepted_jobs(&new_side),
+        vec![first.id.clone()],
+        "the retry after the reload carries a signature of the new secret"
+    );
+    // A receiver still on the old secret accepts the same kind of callback.
+    let old_port = free_port();
+    let old_side = Receiver::start(old_port, 0).await;
+    let second = finish_with_callback(&server, format!("http://127.0.0.1:{old_port}/")).await;
+    old_side.wait_accepted(1).await;
+    assert_eq!(accepted_jobs(&old_side), vec![second.id.clone()]);
+    assert!(
+        !old_side.lines().iter().any(|l| l.starts_with("REJECT")),
+        "{:?}",
+        old_side.lines()
     );
 
     // A broken file keeps what is in force.
     replace_file(&file, r#"{"sources": {"orders": "#);
     tokio::time::sleep(Duration::from_millis(1000)).await;
-    let (status, _) = post_signed(addr, "orders", "o2", now(), ORDERS_SECRET, body).await;
+    let (status, _) = post_signed(addr, "orders", "o3", now(), ORDERS_SECRET, body).await;
     assert_eq!(status, 200, "a failed reload kept the source");
-    elsewhere.payload = submit_req("reload", "k", json!({"n": 3})).payload;
+    elsewhere.payload = submit_req("elsewhere", "k", json!({"n": 3})).payload;
     jobs.submit(elsewhere)
         .await
         .expect("a failed reload kept the allow-list");
-    receiver.stop().await;
+    new_side.stop().await;
+    old_side.stop().await;
     server.stop().await;
 }

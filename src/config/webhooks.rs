@@ -10,7 +10,7 @@ use serde::Deserialize;
 
 use crate::domain::Backoff;
 use crate::domain::validate;
-use crate::domain::webhook::{AddressPolicy, Secret, WebhookConfigError};
+use crate::domain::webhook::{AddressPolicy, Keyring, WebhookConfigError};
 
 /// Why the webhooks file was refused.
 #[derive(Debug, thiserror::Error)]
@@ -40,10 +40,10 @@ pub enum WebhooksFileError {
 }
 
 /// One provider that may post to `POST /hooks/{name}`: messages signed with
-/// `secret` become jobs of `kind` in `queue` of `tenant`.
+/// one of its secrets become jobs of `kind` in `queue` of `tenant`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct IngressSource {
-    pub secret: Secret,
+    pub secret: Keyring,
     pub tenant: String,
     pub queue: String,
     pub kind: String,
@@ -54,10 +54,10 @@ pub struct IngressSource {
 /// reloaded ([`WebhookKeysSource`](super::webhook_source::WebhookKeysSource)).
 #[derive(Clone, Debug, Default)]
 pub struct WebhookKeys {
-    /// Signing secret of each tenant's callbacks.
-    pub tenant_secrets: BTreeMap<String, Secret>,
-    /// Secret of tenants without their own (the single-tenant, no-auth case).
-    pub default_secret: Option<Secret>,
+    /// Signing secrets of each tenant's callbacks.
+    pub tenant_secrets: BTreeMap<String, Keyring>,
+    /// Secrets of tenants without their own (the single-tenant, no-auth case).
+    pub default_secret: Option<Keyring>,
     /// Non-public callback destinations that are still allowed.
     pub allow: AddressPolicy,
     /// Ingress sources by name.
@@ -65,8 +65,8 @@ pub struct WebhookKeys {
 }
 
 impl WebhookKeys {
-    /// The secret that signs `tenant`'s callbacks, if one is configured.
-    pub fn secret_for(&self, tenant: &str) -> Option<&Secret> {
+    /// The secrets that sign `tenant`'s callbacks, if any are configured.
+    pub fn secret_for(&self, tenant: &str) -> Option<&Keyring> {
         self.tenant_secrets
             .get(tenant)
             .or(self.default_secret.as_ref())
@@ -92,16 +92,16 @@ impl WebhookKeys {
         let mut keys = WebhookKeys {
             default_secret: file
                 .default_secret
-                .as_deref()
-                .map(Secret::parse)
+                .map(|s| s.keyring())
                 .transpose()
                 .map_err(value("default_secret"))?,
             allow: AddressPolicy::parse(&file.allow).map_err(value("allow"))?,
             ..WebhookKeys::default()
         };
-        for (tenant, secret) in &file.tenant_secrets {
-            let secret =
-                Secret::parse(secret).map_err(value(&format!("tenant_secrets.{tenant}")))?;
+        for (tenant, secret) in file.tenant_secrets {
+            let secret = secret
+                .keyring()
+                .map_err(value(&format!("tenant_secrets.{tenant}")))?;
             keys.tenant_secrets.insert(tenant.clone(), secret);
         }
         for (name, source) in file.sources {
@@ -111,7 +111,7 @@ impl WebhookKeys {
                 reason,
             };
             validate::queue("source", &name).map_err(|e| bad(e.to_string()))?;
-            let secret = Secret::parse(&source.secret).map_err(|e| bad(e.to_string()))?;
+            let secret = source.secret.keyring().map_err(|e| bad(e.to_string()))?;
             let tenant =
                 validate::queue("tenant", &source.tenant).map_err(|e| bad(e.to_string()))?;
             let queue = validate::queue("queue", &source.queue).map_err(|e| bad(e.to_string()))?;
@@ -175,9 +175,9 @@ impl Default for WebhookSettings {
 #[serde(deny_unknown_fields)]
 struct File {
     #[serde(default)]
-    default_secret: Option<String>,
+    default_secret: Option<Secrets>,
     #[serde(default)]
-    tenant_secrets: BTreeMap<String, String>,
+    tenant_secrets: BTreeMap<String, Secrets>,
     #[serde(default)]
     allow: Vec<String>,
     #[serde(default)]
@@ -187,11 +187,28 @@ struct File {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct SourceEntry {
-    secret: String,
+    secret: Secrets,
     #[serde(default = "default_tenant")]
     tenant: String,
     queue: String,
     kind: String,
+}
+
+/// A secret, or a list of them while one is rotated.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Secrets {
+    One(String),
+    Several(Vec<String>),
+}
+
+impl Secrets {
+    fn keyring(self) -> Result<Keyring, WebhookConfigError> {
+        match self {
+            Secrets::One(secret) => Keyring::parse(&[secret]),
+            Secrets::Several(secrets) => Keyring::parse(&secrets),
+        }
+    }
 }
 
 fn default_tenant() -> String {
@@ -230,6 +247,30 @@ mod tests {
         let err = WebhookKeys::from_file(&path).expect_err("bad secret");
         assert!(err.to_string().contains("\"x\""), "{err}");
         std::fs::write(&path, r#"{"secrets": {}}"#).expect("write");
+        assert!(WebhookKeys::from_file(&path).is_err());
+        // A rotation lists several secrets; five is refused.
+        std::fs::write(
+            &path,
+            format!(r#"{{"tenant_secrets": {{"acme": ["{secret}", "{secret}"]}}}}"#),
+        )
+        .expect("write");
+        let s = WebhookKeys::from_file(&path).expect("two secrets");
+        assert_eq!(
+            s.secret_for("acme")
+                .expect("acme")
+                .sign("m", 1, b"{}")
+                .split(' ')
+                .count(),
+            2
+        );
+        std::fs::write(
+            &path,
+            format!(r#"{{"default_secret": ["{secret}", "{secret}", "{secret}", "{secret}", "{secret}"]}}"#),
+        )
+        .expect("write");
+        let err = WebhookKeys::from_file(&path).expect_err("five secrets");
+        assert!(err.to_string().contains("default_secret"), "{err}");
+        std::fs::write(&path, r#"{"default_secret": []}"#).expect("write");
         assert!(WebhookKeys::from_file(&path).is_err());
         std::fs::remove_dir_all(&dir).ok();
     }

@@ -23,11 +23,18 @@ pub const TIMESTAMP_TOLERANCE_SECS: i64 = 5 * 60;
 
 type HmacSha256 = Hmac<Sha256>;
 
+/// Most secrets one keyring may hold: enough for a rotation (the new one,
+/// the old one) with room to spare, few enough that every callback does
+/// not carry a pile of signatures.
+pub const MAX_KEYRING: usize = 4;
+
 /// Why a secret, URL or allow-list entry was refused.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum WebhookConfigError {
     #[error("a webhook secret must be `whsec_` followed by base64 of at least 16 bytes")]
     Secret,
+    #[error("a list of webhook secrets must hold 1 to {MAX_KEYRING}")]
+    KeyringSize,
     #[error("allow-list entry {0:?} is neither an IP address, a CIDR block nor a host name")]
     AllowEntry(String),
 }
@@ -133,6 +140,61 @@ impl Secret {
         } else {
             Err(VerifyError::Signature)
         }
+    }
+}
+
+/// The secrets one signer or sender uses at a time: one, or several while
+/// a secret is rotated.
+///
+/// Signing writes one `v1` signature per secret into the header (the
+/// Standard Webhooks way to rotate: a receiver that knows either secret
+/// finds its match), and verifying accepts a message that any of them
+/// signed. So a rotation is: add the new secret beside the old, move the
+/// other side over, drop the old.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Keyring(Vec<Secret>);
+
+impl Keyring {
+    /// Parses 1 to [`MAX_KEYRING`] `whsec_...` secrets.
+    pub fn parse<S: AsRef<str>>(texts: &[S]) -> Result<Keyring, WebhookConfigError> {
+        if texts.is_empty() || texts.len() > MAX_KEYRING {
+            return Err(WebhookConfigError::KeyringSize);
+        }
+        texts
+            .iter()
+            .map(|t| Secret::parse(t.as_ref()))
+            .collect::<Result<Vec<_>, _>>()
+            .map(Keyring)
+    }
+
+    /// The `webhook-signature` header value: each secret's `v1,<base64>`,
+    /// separated by spaces, in the order the secrets were given.
+    pub fn sign(&self, id: &str, timestamp: i64, body: &[u8]) -> String {
+        self.0
+            .iter()
+            .map(|s| s.sign(id, timestamp, body))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    /// [`Secret::verify`] with each secret; the message passes if one of
+    /// them signed it.
+    pub fn verify(
+        &self,
+        id: &str,
+        timestamp: &str,
+        signatures: &str,
+        body: &[u8],
+        now: i64,
+    ) -> Result<(), VerifyError> {
+        let mut outcome = Err(VerifyError::Signature);
+        for secret in &self.0 {
+            outcome = secret.verify(id, timestamp, signatures, body, now);
+            if outcome.is_ok() {
+                break;
+            }
+        }
+        outcome
     }
 }
 
@@ -437,6 +499,50 @@ mod tests {
         assert_eq!(
             s.verify("", &ts, SPEC_SIGNATURE, body, SPEC_TS),
             Err(VerifyError::Headers)
+        );
+    }
+
+    #[test]
+    fn a_keyring_signs_with_every_secret_and_accepts_any() {
+        let other = "whsec_b3RoZXIta2V5LWZvci10aGUta2V5cmluZy10ZXN0";
+        let ring = Keyring::parse(&[other, SPEC_SECRET]).expect("two secrets");
+        let header = ring.sign(SPEC_ID, SPEC_TS, SPEC_BODY.as_bytes());
+        let signatures: Vec<&str> = header.split(' ').collect();
+        assert_eq!(signatures.len(), 2, "{header}");
+        assert_eq!(signatures[1], SPEC_SIGNATURE);
+        // A receiver that knows only the old secret still finds its match.
+        let ts = SPEC_TS.to_string();
+        let body = SPEC_BODY.as_bytes();
+        assert_eq!(
+            spec_secret().verify(SPEC_ID, &ts, &header, body, SPEC_TS),
+            Ok(())
+        );
+        let old_only = Keyring::parse(&[SPEC_SECRET]).expect("one secret");
+        assert_eq!(
+            ring.verify(SPEC_ID, &ts, SPEC_SIGNATURE, body, SPEC_TS),
+            Ok(()),
+            "a sender still on either secret passes"
+        );
+        let other_signed = Keyring::parse(&[other])
+            .expect("one secret")
+            .sign(SPEC_ID, SPEC_TS, body);
+        assert_eq!(
+            old_only.verify(SPEC_ID, &ts, &other_signed, body, SPEC_TS),
+            Err(VerifyError::Signature)
+        );
+        assert_eq!(
+            ring.verify(SPEC_ID, &ts, SPEC_SIGNATURE, body, SPEC_TS + 301),
+            Err(VerifyError::Stale)
+        );
+        let none: [&str; 0] = [];
+        assert_eq!(Keyring::parse(&none), Err(WebhookConfigError::KeyringSize));
+        assert_eq!(
+            Keyring::parse(&[SPEC_SECRET; MAX_KEYRING + 1]),
+            Err(WebhookConfigError::KeyringSize)
+        );
+        assert_eq!(
+            Keyring::parse(&[SPEC_SECRET, "whsec_AAAA"]),
+            Err(WebhookConfigError::Secret)
         );
     }
 
