@@ -19,7 +19,6 @@ fn limits() -> Limits {
         max_payload_bytes: 1024 * 1024,
         default_lease: Duration::from_secs(60),
         max_lease: Duration::from_secs(3600),
-        callbacks: AddressPolicy::default(),
     }
 }
 
@@ -30,9 +29,14 @@ fn hash_of(payload: serde_json::Value) -> Option<String> {
         payload,
         ..Default::default()
     };
-    validate::submit(input, &limits(), chrono::Utc::now())
-        .ok()
-        .map(|job| job.input_hash)
+    validate::submit(
+        input,
+        &limits(),
+        &AddressPolicy::default(),
+        chrono::Utc::now(),
+    )
+    .ok()
+    .map(|job| job.input_hash)
 }
 
 fuzz_target!(|data: &[u8]| {

@@ -103,9 +103,9 @@ mod tests {
         assert!(!after.sources.contains_key("first"), "removed sources go");
         assert_eq!(
             after.sources["second"].secret,
-            after.secret_for("any").cloned().expect("default secret")
+            after.secrets_for("any").cloned().expect("default secret")
         );
-        assert_ne!(after.secret_for("any"), before.secret_for("any"));
+        assert_ne!(after.secrets_for("any"), before.secrets_for("any"));
         assert!(
             before.sources.contains_key("first"),
             "a reader's set never changes under it"

@@ -66,7 +66,7 @@ pub struct WebhookKeys {
 
 impl WebhookKeys {
     /// The secrets that sign `tenant`'s callbacks, if any are configured.
-    pub fn secret_for(&self, tenant: &str) -> Option<&Keyring> {
+    pub fn secrets_for(&self, tenant: &str) -> Option<&Keyring> {
         self.tenant_secrets
             .get(tenant)
             .or(self.default_secret.as_ref())
@@ -102,7 +102,7 @@ impl WebhookKeys {
             let secret = secret
                 .keyring()
                 .map_err(value(&format!("tenant_secrets.{tenant}")))?;
-            keys.tenant_secrets.insert(tenant.clone(), secret);
+            keys.tenant_secrets.insert(tenant, secret);
         }
         for (name, source) in file.sources {
             let bad = |reason: String| WebhooksFileError::Source {
@@ -235,7 +235,7 @@ mod tests {
         )
         .expect("write");
         let s = WebhookKeys::from_file(&path).expect("valid file");
-        assert!(s.secret_for("acme").is_some() && s.secret_for("other").is_some());
+        assert!(s.secrets_for("acme").is_some() && s.secrets_for("other").is_some());
         assert_eq!(s.sources["stripe"].tenant, "default");
         assert!(s.allow.allows_ip("127.0.0.1".parse().expect("ip")));
 
@@ -256,7 +256,7 @@ mod tests {
         .expect("write");
         let s = WebhookKeys::from_file(&path).expect("two secrets");
         assert_eq!(
-            s.secret_for("acme")
+            s.secrets_for("acme")
                 .expect("acme")
                 .sign("m", 1, b"{}")
                 .split(' ')

@@ -239,7 +239,7 @@ impl Dispatcher {
     /// Signs and POSTs the event; `Ok` with a 2xx status.
     async fn send(&self, delivery: &Delivery) -> Result<u16, SendError> {
         let keys = self.keys.current();
-        let secret = keys.secret_for(&delivery.tenant).ok_or_else(|| {
+        let secret = keys.secrets_for(&delivery.tenant).ok_or_else(|| {
             SendError::Permanent(format!(
                 "no webhook secret configured for tenant {:?}",
                 delivery.tenant
