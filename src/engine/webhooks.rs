@@ -30,7 +30,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::webhook_source::WebhookKeysSource;
 use crate::config::webhooks::WebhookSettings;
-use crate::domain::webhook::{self, AfterFailure, Target};
+use crate::domain::webhook::{self, AddressPolicy, AfterFailure, Target};
 use crate::domain::{Backoff, Job};
 use crate::store::outbox::{Attempted, Delivery, Outbox};
 use crate::store::{Store, StoreError};
@@ -84,8 +84,8 @@ pub struct Dispatcher {
     outbox: Arc<dyn Outbox>,
     render: RenderJob,
     timings: Timings,
-    /// Secrets and allow-list, read at each attempt: a rotated secret signs
-    /// the next attempt.
+    /// Secrets and allow-list, read once per attempt: a rotated secret
+    /// signs the next attempt, and one attempt never mixes two files.
     keys: Arc<WebhookKeysSource>,
     metrics: Arc<Metrics>,
     tls: Option<TlsConnector>,
@@ -259,7 +259,7 @@ impl Dispatcher {
         );
         let timestamp = Utc::now().timestamp();
         let signature = secret.sign(&delivery.webhook_id, timestamp, &body);
-        let addr = self.resolve(&target).await?;
+        let addr = Self::resolve(&target, &keys.allow).await?;
         let host = if target.host.contains(':') {
             format!("[{}]:{}", target.host, target.port)
         } else {
@@ -309,9 +309,7 @@ impl Dispatcher {
     /// The address to connect to, checked against the SSRF policy after
     /// resolution (so a name that starts resolving to a private address,
     /// DNS rebinding, is refused at the next attempt).
-    async fn resolve(&self, target: &Target) -> Result<SocketAddr, SendError> {
-        let keys = self.keys.current();
-        let allow = &keys.allow;
+    async fn resolve(target: &Target, allow: &AddressPolicy) -> Result<SocketAddr, SendError> {
         if let Some(ip) = target.literal_ip() {
             return if allow.allows_ip(ip) {
                 Ok(SocketAddr::new(ip, target.port))
