@@ -17,7 +17,7 @@ use crate::domain::{CompleteSpec, Job, LeaseSpec};
 use crate::engine::notifier::{ANY_QUEUE, queue_key};
 use crate::pb;
 use crate::pb::worker_service_server::WorkerService;
-use crate::store::StoreError;
+use crate::store::{Ended, StoreError};
 
 /// A worker's `workers` row is refreshed at most this often, so a busy
 /// worker's polling does not turn into a write per call.
@@ -132,6 +132,69 @@ impl WorkersApi {
         }
     }
 
+    /// [`Self::lease_or_wait`], counted as a long-poll while it may wait.
+    async fn claim_or_wait(&self, tenant: &str, spec: &LeaseSpec) -> Result<Vec<Job>, StoreError> {
+        if spec.wait.is_zero() {
+            return self.lease_or_wait(tenant, spec).await;
+        }
+        let _waiting = self.ctx.observer.metrics().long_poll();
+        self.lease_or_wait(tenant, spec).await
+    }
+
+    /// Validates the items of `CompleteBatch` or `CompleteAndLease`: the
+    /// valid ones, and per item its error if it has one (its field named
+    /// `{prefix}[i].field`).
+    fn validate_items(
+        &self,
+        prefix: &str,
+        items: Vec<pb::CompleteRequest>,
+    ) -> Result<(Vec<CompleteSpec>, Vec<Option<pb::ItemError>>), ValidationError> {
+        if items.is_empty() || items.len() > MAX_BATCH {
+            return Err(ValidationError::new(prefix, "send 1..=1000 items"));
+        }
+        let mut refused = Vec::with_capacity(items.len());
+        let mut valid = Vec::new();
+        for (i, item) in items.into_iter().enumerate() {
+            match self.validate_complete(item) {
+                Ok(spec) => {
+                    valid.push(spec);
+                    refused.push(None);
+                }
+                Err(mut err) => {
+                    err.field = format!("{prefix}[{i}].{}", err.field);
+                    refused.push(Some(item_error(err)));
+                }
+            }
+        }
+        Ok((valid, refused))
+    }
+
+    /// Each item's result: its validation error, or the next stored outcome.
+    fn item_results(
+        &self,
+        refused: Vec<Option<pb::ItemError>>,
+        stored: Vec<Result<Ended, StoreError>>,
+    ) -> Vec<pb::CompleteBatchResult> {
+        use pb::complete_batch_result::Result as Item;
+        let mut stored = stored.into_iter();
+        refused
+            .into_iter()
+            .map(|refused| {
+                let result = match refused {
+                    Some(err) => Some(Item::Error(err)),
+                    None => stored.next().map(|r| match r {
+                        Ok(ended) => {
+                            self.ctx.observer.ended(&ended);
+                            Item::Job(convert::job(&ended.job))
+                        }
+                        Err(e) => Item::Error(item_error(e)),
+                    }),
+                };
+                pb::CompleteBatchResult { result }
+            })
+            .collect()
+    }
+
     fn validate_complete(
         &self,
         request: pb::CompleteRequest,
@@ -162,12 +225,7 @@ impl WorkerService for WorkersApi {
             &self.ctx.limits,
         )?;
         self.touch_worker(&tenant, &spec).await;
-        let jobs = if spec.wait.is_zero() {
-            self.lease_or_wait(&tenant, &spec).await?
-        } else {
-            let _waiting = self.ctx.observer.metrics().long_poll();
-            self.lease_or_wait(&tenant, &spec).await?
-        };
+        let jobs = self.claim_or_wait(&tenant, &spec).await?;
         self.ctx.observer.leased(&jobs);
         Ok(Response::new(pb::LeaseResponse {
             jobs: jobs.iter().map(convert::leased_job).collect(),
@@ -207,42 +265,65 @@ impl WorkerService for WorkersApi {
         &self,
         request: Request<pb::CompleteBatchRequest>,
     ) -> Result<Response<pb::CompleteBatchResponse>, Status> {
-        use pb::complete_batch_result::Result as Item;
         let tenant = tenant_of(&request)?;
-        let items = request.into_inner().items;
-        if items.is_empty() || items.len() > MAX_BATCH {
-            return Err(ValidationError::new("items", "send 1..=1000 items").into());
+        let (valid, refused) = self.validate_items("items", request.into_inner().items)?;
+        let stored = self.ctx.store.complete(&tenant, valid).await?;
+        Ok(Response::new(pb::CompleteBatchResponse {
+            results: self.item_results(refused, stored),
+        }))
+    }
+
+    async fn complete_and_lease(
+        &self,
+        request: Request<pb::CompleteAndLeaseRequest>,
+    ) -> Result<Response<pb::CompleteAndLeaseResponse>, Status> {
+        let tenant = tenant_of(&request)?;
+        let across_tenants = request
+            .get_ref()
+            .lease
+            .as_ref()
+            .is_some_and(|l| l.all_tenants);
+        if across_tenants {
+            require_admin(
+                &request,
+                "/intray.v1.WorkerService/CompleteAndLease with all_tenants",
+            )?;
         }
-        let mut answers: Vec<Option<Item>> = Vec::with_capacity(items.len());
-        let mut valid = Vec::new();
-        for (i, item) in items.into_iter().enumerate() {
-            match self.validate_complete(item) {
-                Ok(spec) => {
-                    valid.push(spec);
-                    answers.push(None);
-                }
-                Err(mut err) => {
-                    err.field = format!("items[{i}].{}", err.field);
-                    answers.push(Some(Item::Error(item_error(err))));
-                }
+        let pb::CompleteAndLeaseRequest { items, lease } = request.into_inner();
+        let lease = lease.ok_or_else(|| ValidationError::new("lease", "required"))?;
+        // The claim is checked before anything is written: a bad one
+        // refuses the whole call, outcomes included.
+        let spec = convert::lease_input(lease)
+            .and_then(|input| validate::lease(input, &self.ctx.limits))
+            .map_err(|mut err| {
+                err.field = format!("lease.{}", err.field);
+                err
+            })?;
+        let (valid, refused) = self.validate_items("items", items)?;
+        self.touch_worker(&tenant, &spec).await;
+        let (stored, leased) = self
+            .ctx
+            .batchers
+            .complete_and_lease(&tenant, valid, &spec)
+            .await?;
+        let results = self.item_results(refused, stored);
+        // The outcomes have committed, so their results must reach the
+        // worker: a failed claim answers no jobs, and the worker's next
+        // claim meets the error itself.
+        let claimed = match leased {
+            Ok(jobs) if jobs.is_empty() && !spec.wait.is_zero() => {
+                self.claim_or_wait(&tenant, &spec).await
             }
-        }
-        let mut stored = self.ctx.store.complete(&tenant, valid).await?.into_iter();
-        let results = answers
-            .into_iter()
-            .map(|answer| {
-                let result = answer.or_else(|| {
-                    stored.next().map(|r| match r {
-                        Ok(ended) => {
-                            self.ctx.observer.ended(&ended);
-                            Item::Job(convert::job(&ended.job))
-                        }
-                        Err(e) => Item::Error(item_error(e)),
-                    })
-                });
-                pb::CompleteBatchResult { result }
-            })
-            .collect();
-        Ok(Response::new(pb::CompleteBatchResponse { results }))
+            claimed => claimed,
+        };
+        let jobs = claimed.unwrap_or_else(|err| {
+            tracing::warn!(error = %err, worker_id = %spec.worker_id, "the claim of a CompleteAndLease failed after its outcomes committed");
+            Vec::new()
+        });
+        self.ctx.observer.leased(&jobs);
+        Ok(Response::new(pb::CompleteAndLeaseResponse {
+            results,
+            jobs: jobs.iter().map(convert::leased_job).collect(),
+        }))
     }
 }

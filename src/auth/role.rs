@@ -133,6 +133,7 @@ pub fn access_for(path: &str) -> Access {
         "/intray.v1.WorkerService/Heartbeat",
         "/intray.v1.WorkerService/Complete",
         "/intray.v1.WorkerService/CompleteBatch",
+        "/intray.v1.WorkerService/CompleteAndLease",
     ];
     const PUBLIC_SERVICES: &[&str] = &[
         "/grpc.health.v1.Health/",
@@ -170,6 +171,8 @@ mod tests {
         }
         assert!(producer.allow(submit) && !producer.allow(lease) && !producer.allow(retry));
         assert!(worker.allow(lease) && !worker.allow(submit) && !worker.allow(retry));
+        let chained = access_for("/intray.v1.WorkerService/CompleteAndLease");
+        assert!(worker.allow(chained) && !producer.allow(chained));
         assert!(admin.allow(submit) && admin.allow(lease) && admin.allow(retry));
         assert_eq!(access_for("/grpc.health.v1.Health/Check"), Access::Public);
         assert_eq!(access_for("/grpc.health.v1.Health/Watch"), Access::Public);

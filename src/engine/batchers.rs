@@ -90,7 +90,7 @@ impl Batchers {
             .await?
         {
             Done::Leased(jobs) => jobs,
-            Done::Completed(_) => Err(mismatched()),
+            Done::Completed(_) | Done::Both(..) => Err(mismatched()),
         }
     }
 
@@ -107,7 +107,29 @@ impl Batchers {
             .await?
         {
             Done::Completed(ended) => Ok(*ended),
-            Done::Leased(_) => Err(mismatched()),
+            Done::Leased(_) | Done::Both(..) => Err(mismatched()),
+        }
+    }
+
+    /// Applies outcomes, then claims for `spec`, in one shared transaction:
+    /// the outcomes (each failing alone) and the claim's jobs, or the
+    /// claim's error (the outcomes stand all the same).
+    pub async fn complete_and_lease(
+        &self,
+        tenant: &str,
+        items: Vec<CompleteSpec>,
+        spec: &LeaseSpec,
+    ) -> StoreResult<(Vec<StoreResult<Ended>>, StoreResult<Vec<Job>>)> {
+        match self
+            .work
+            .call(
+                tenant.to_owned(),
+                Work::CompleteAndLease(items, spec.clone()),
+            )
+            .await?
+        {
+            Done::Both(ended, leased) => Ok((ended, leased)),
+            Done::Leased(_) | Done::Completed(_) => Err(mismatched()),
         }
     }
 }
@@ -140,13 +162,23 @@ impl Flush for SubmitFlush {
 enum Work {
     Lease(LeaseSpec),
     Complete(CompleteSpec),
+    /// Outcomes, then the claim that follows them.
+    CompleteAndLease(Vec<CompleteSpec>, LeaseSpec),
 }
 
-/// A worker's answer: a claim's jobs, or one outcome applied.
+/// A worker's answer: a claim's jobs, one outcome applied, or both.
 enum Done {
     Leased(StoreResult<Vec<Job>>),
     /// Boxed: an ended job is large beside a list of jobs.
     Completed(Box<StoreResult<Ended>>),
+    Both(Vec<StoreResult<Ended>>, StoreResult<Vec<Job>>),
+}
+
+/// What one call of a batch gets back, gathered before it becomes a [`Done`].
+#[derive(Default)]
+struct Parts {
+    ended: Vec<StoreResult<Ended>>,
+    leased: Option<StoreResult<Vec<Job>>>,
 }
 
 /// Claims that can be one statement: same queues, kinds and scope (the
@@ -179,34 +211,43 @@ impl Flush for WorkFlush {
         match call {
             Work::Lease(spec) => spec.max_jobs as usize,
             Work::Complete(_) => 1,
+            Work::CompleteAndLease(items, spec) => items.len() + spec.max_jobs as usize,
         }
     }
 
     /// The completes with the claims of the first shape in one store call,
     /// then the claims of any other shape, each in a statement of its own.
-    /// Only the first call's failure fails the batch (to be run again one
-    /// call at a time), so the others wait for it: nothing of theirs may
-    /// have committed by then.
+    /// A call that both completes and claims has its outcomes applied
+    /// before its claim, in the same transaction when the claim is of the
+    /// first shape. Only the first call's failure fails the batch (to be
+    /// run again one call at a time), so the others wait for it: nothing of
+    /// theirs may have committed by then.
     fn flush(&self, tenant: String, calls: Vec<Work>) -> FlushFuture<'_, Done> {
         Box::pin(async move {
             let mut completes = Vec::new();
             let mut shapes: Vec<(LeaseShape, Vec<usize>, Vec<LeaseSpec>)> = Vec::new();
+            let mut claim = |index: usize, spec: LeaseSpec| {
+                let shape = LeaseShape::of(&spec);
+                match shapes.iter_mut().find(|(s, _, _)| *s == shape) {
+                    Some((_, indexes, specs)) => {
+                        indexes.push(index);
+                        specs.push(spec);
+                    }
+                    None => shapes.push((shape, vec![index], vec![spec])),
+                }
+            };
+            let mut kinds = Vec::with_capacity(calls.len());
             for (index, call) in calls.into_iter().enumerate() {
+                kinds.push(Kind::of(&call));
                 match call {
                     Work::Complete(spec) => completes.push((index, spec)),
-                    Work::Lease(spec) => {
-                        let shape = LeaseShape::of(&spec);
-                        match shapes.iter_mut().find(|(s, _, _)| *s == shape) {
-                            Some((_, indexes, specs)) => {
-                                indexes.push(index);
-                                specs.push(spec);
-                            }
-                            None => shapes.push((shape, vec![index], vec![spec])),
-                        }
+                    Work::Lease(spec) => claim(index, spec),
+                    Work::CompleteAndLease(items, spec) => {
+                        completes.extend(items.into_iter().map(|item| (index, item)));
+                        claim(index, spec);
                     }
                 }
             }
-            let total = completes.len() + shapes.iter().map(|(_, i, _)| i.len()).sum::<usize>();
             let (complete_at, items): (Vec<usize>, Vec<CompleteSpec>) =
                 completes.into_iter().unzip();
             let mut shapes = shapes.into_iter();
@@ -224,16 +265,17 @@ impl Flush for WorkFlush {
                 async move { (indexes, store.lease(tenant, &specs).await) }
             }))
             .await;
-            let mut answers: Vec<Option<Done>> = (0..total).map(|_| None).collect();
+            let mut parts: Vec<Parts> = kinds.iter().map(|_| Parts::default()).collect();
             for (index, ended) in complete_at.into_iter().zip(ended) {
-                answers[index] = Some(Done::Completed(Box::new(ended)));
+                parts[index].ended.push(ended);
             }
             for (indexes, leased) in std::iter::once((first_at, first_leased)).chain(others) {
-                spread(&mut answers, indexes, leased);
+                spread(&mut parts, indexes, leased);
             }
-            answers
+            kinds
                 .into_iter()
-                .map(|answer| answer.ok_or_else(mismatched))
+                .zip(parts)
+                .map(|(kind, parts)| kind.answer(parts))
                 .collect()
         })
     }
@@ -241,23 +283,56 @@ impl Flush for WorkFlush {
     /// Jobs claimed for a caller that went away are not left to sit out
     /// their lease.
     fn orphaned(&self, answer: Done) {
-        if let Done::Leased(Ok(jobs)) = answer {
+        if let Done::Leased(Ok(jobs)) | Done::Both(_, Ok(jobs)) = answer {
             handoff::end_leases(&self.0, jobs);
         }
     }
 }
 
+/// Which of the three calls a batch entry was.
+#[derive(Clone, Copy)]
+enum Kind {
+    Lease,
+    Complete,
+    Both,
+}
+
+impl Kind {
+    fn of(call: &Work) -> Self {
+        match call {
+            Work::Lease(_) => Kind::Lease,
+            Work::Complete(_) => Kind::Complete,
+            Work::CompleteAndLease(..) => Kind::Both,
+        }
+    }
+
+    /// The call's answer from what the batch gave it; an error if the
+    /// store's answers do not line up with the calls.
+    fn answer(self, mut parts: Parts) -> StoreResult<Done> {
+        match self {
+            Kind::Lease => parts.leased.map(Done::Leased),
+            Kind::Complete => parts
+                .ended
+                .pop()
+                .filter(|_| parts.ended.is_empty())
+                .map(|ended| Done::Completed(Box::new(ended))),
+            Kind::Both => parts.leased.map(|leased| Done::Both(parts.ended, leased)),
+        }
+        .ok_or_else(mismatched)
+    }
+}
+
 /// Hands each caller at `indexes` its share of one claim, or the claim's error.
-fn spread(answers: &mut [Option<Done>], indexes: Vec<usize>, leased: StoreResult<Vec<Vec<Job>>>) {
+fn spread(parts: &mut [Parts], indexes: Vec<usize>, leased: StoreResult<Vec<Vec<Job>>>) {
     match leased {
         Ok(jobs) => {
             for (index, jobs) in indexes.into_iter().zip(jobs) {
-                answers[index] = Some(Done::Leased(Ok(jobs)));
+                parts[index].leased = Some(Ok(jobs));
             }
         }
         Err(err) => {
             for index in indexes {
-                answers[index] = Some(Done::Leased(Err(err.clone())));
+                parts[index].leased = Some(Err(err.clone()));
             }
         }
     }

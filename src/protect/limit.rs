@@ -24,7 +24,10 @@ use super::ProtectError;
 use crate::domain::validate::MAX_WAIT;
 
 /// Methods that may legitimately wait for up to [`MAX_WAIT`] before answering.
-const LONG_POLLS: &[&str] = &["/intray.v1.WorkerService/Lease"];
+const LONG_POLLS: &[&str] = &[
+    "/intray.v1.WorkerService/Lease",
+    "/intray.v1.WorkerService/CompleteAndLease",
+];
 
 /// The limit for a method: `base`, plus [`MAX_WAIT`] for long-polls.
 pub fn limit_for(path: &str, base: Duration) -> Duration {
@@ -123,12 +126,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn lease_gets_its_wait_on_top() {
+    fn long_polls_get_their_wait_on_top() {
         let base = Duration::from_secs(30);
-        assert_eq!(
-            limit_for("/intray.v1.WorkerService/Lease", base),
-            base + MAX_WAIT
-        );
+        for long_poll in ["Lease", "CompleteAndLease"] {
+            assert_eq!(
+                limit_for(&format!("/intray.v1.WorkerService/{long_poll}"), base),
+                base + MAX_WAIT
+            );
+        }
         assert_eq!(limit_for("/intray.v1.JobService/Submit", base), base);
     }
 }
