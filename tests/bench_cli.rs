@@ -65,7 +65,7 @@ async fn bench(database_url: &str, log: &Path) -> (Vec<Value>, String) {
     (reports, stderr)
 }
 
-/// Before each of the eight scenarios, and before each backlog size's e2e
+/// Before each of the ten scenarios, and before each backlog size's e2e
 /// and dispatch parts in each of its four rounds, the run took the machine's CPU share (settled, or
 /// gave up waiting); on PostgreSQL after a CHECKPOINT that went through.
 fn check_settled(stderr: &str) {
@@ -73,7 +73,7 @@ fn check_settled(stderr: &str) {
         .lines()
         .filter(|l| l.starts_with("bench: settle: CPU"))
         .count();
-    assert_eq!(sampled, 8 + 4 * 2 * 2, "{stderr}");
+    assert_eq!(sampled, 10 + 4 * 2 * 2, "{stderr}");
     assert!(!stderr.contains("no CHECKPOINT"), "{stderr}");
 }
 
@@ -116,7 +116,11 @@ fn check(reports: &[Value], backend: &str) {
         }
     }
 
-    for (scenario, jobs) in [("e2e", E2E_JOBS), ("e2e-batched", BATCHED_JOBS)] {
+    for (scenario, jobs) in [
+        ("e2e", E2E_JOBS),
+        ("e2e-chained", E2E_JOBS),
+        ("e2e-batched", BATCHED_JOBS),
+    ] {
         let rows = lines(reports, scenario);
         assert_eq!(rows.len(), 1, "{scenario}");
         let row = rows[0];
@@ -130,20 +134,31 @@ fn check(reports: &[Value], backend: &str) {
             (jobs + WARMUP) as f64,
             "{row}"
         );
+        assert_eq!(
+            row["complete_and_lease"],
+            scenario == "e2e-chained",
+            "{row}"
+        );
     }
     assert_eq!(
         number(lines(reports, "e2e-batched")[0], "lease_max_jobs"),
         50.0
     );
 
-    let burn = lines(reports, "burn-down");
-    assert_eq!(burn.len(), 1);
-    assert!(number(burn[0], "jobs_per_s") > 0.0);
-    assert_eq!(number(burn[0], "completed"), BURN_DOWN_JOBS as f64);
-    assert_eq!(
-        number(burn[0], "stats_succeeded"),
-        (BURN_DOWN_JOBS + WARMUP) as f64
-    );
+    for scenario in ["burn-down", "burn-down-chained"] {
+        let burn = lines(reports, scenario);
+        assert_eq!(burn.len(), 1, "{scenario}");
+        assert!(number(burn[0], "jobs_per_s") > 0.0);
+        assert_eq!(number(burn[0], "completed"), BURN_DOWN_JOBS as f64);
+        assert_eq!(
+            number(burn[0], "stats_succeeded"),
+            (BURN_DOWN_JOBS + WARMUP) as f64
+        );
+        assert_eq!(
+            burn[0]["complete_and_lease"],
+            scenario == "burn-down-chained"
+        );
+    }
 
     let dispatch = lines(reports, "dispatch");
     assert_eq!(dispatch.len(), 1);

@@ -18,6 +18,7 @@ use pb::complete_batch_result::Result as Item;
 common::backend_tests!(
     a_worker_chains_through_its_queue,
     a_bad_item_fails_alone_and_the_claim_holds,
+    a_big_call_ends_its_batch_and_claims_the_next,
     a_bad_request_writes_nothing,
     the_claim_long_polls_like_lease,
     chaining_workers_run_each_job_once,
@@ -184,6 +185,58 @@ async fn a_bad_item_fails_alone_and_the_claim_holds(backend: Backend) {
         "refused items write nothing"
     );
     assert!(untouched.result.is_none());
+    server.stop().await;
+}
+
+/// A call of many outcomes and a big claim (which runs as `CompleteBatch`
+/// then `Lease` inside the server) ends its batch, refuses its stale item
+/// alone, and claims the next batch.
+async fn a_big_call_ends_its_batch_and_claims_the_next(backend: Backend) {
+    const BATCH: usize = 40;
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+    let items = (0..2 * BATCH)
+        .map(|n| submit_req("big", "k", json!({ "n": n })))
+        .collect();
+    jobs.submit_batch(pb::SubmitBatchRequest { jobs: items })
+        .await
+        .expect("SubmitBatch");
+    let first = workers
+        .lease(lease_req("w", "big", BATCH as u32, LONG))
+        .await
+        .expect("Lease")
+        .into_inner()
+        .jobs;
+    assert_eq!(first.len(), BATCH);
+    let mut outcomes: Vec<pb::CompleteRequest> =
+        first.iter().map(|j| success_req(j, json!(null))).collect();
+    outcomes[7].lease_token = uuid::Uuid::new_v4().to_string();
+
+    let answer = chain(
+        &mut workers,
+        chain_req(outcomes, "w", "big", BATCH as u32, Duration::ZERO),
+    )
+    .await;
+    assert_eq!(answer.results.len(), BATCH);
+    for (i, result) in answer.results.iter().enumerate() {
+        if i == 7 {
+            assert_eq!(refused(result).code, Code::Aborted as i32);
+        } else {
+            assert_eq!(ended(result).id, first[i].job_id);
+            assert_eq!(state(ended(result)), St::Succeeded);
+        }
+    }
+    let before: HashSet<&str> = first.iter().map(|j| j.job_id.as_str()).collect();
+    assert_eq!(answer.jobs.len(), BATCH, "the next batch");
+    assert!(
+        answer
+            .jobs
+            .iter()
+            .all(|j| !before.contains(j.job_id.as_str()))
+    );
+    let stale = get(&mut jobs, &first[7].job_id).await;
+    assert_eq!(state(&stale), St::Running, "the stale item wrote nothing");
     server.stop().await;
 }
 

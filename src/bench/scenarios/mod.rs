@@ -33,10 +33,16 @@ pub enum Scenario {
     Submit,
     /// Producers with unary Submit, workers with Lease(max_jobs 1) and Complete.
     E2e,
+    /// e2e with workers that report each job with CompleteAndLease, which
+    /// claims their next job (max_jobs 1) in the same call.
+    E2eChained,
     /// SubmitBatch, Lease(max_jobs up to 100) and CompleteBatch.
     E2eBatched,
     /// A pre-submitted backlog drained with Lease(100) and CompleteBatch.
     BurnDown,
+    /// burn-down with workers that report each batch with CompleteAndLease,
+    /// which claims their next 100 in the same call.
+    BurnDownChained,
     /// Submit to an idle, parked worker, one job at a time.
     Dispatch,
     /// e2e and dispatch with a small and a large backlog in the queue.
@@ -130,7 +136,7 @@ impl Ctx {
         self.sizes.warmup.min(100)
     }
 
-    fn pipeline(&self, queue: String, batched: bool) -> Pipeline {
+    fn pipeline(&self, queue: String, batched: bool, chain: bool) -> Pipeline {
         let batch = self.sizes.batch.clamp(1, load::MAX_BATCH);
         Pipeline {
             queue,
@@ -143,6 +149,7 @@ impl Ctx {
                 1
             },
             priority: 0,
+            chain,
         }
     }
 }
@@ -183,15 +190,16 @@ pub async fn run(
                 )?;
             }
         }
-        Scenario::E2e | Scenario::E2eBatched => {
+        Scenario::E2e | Scenario::E2eChained | Scenario::E2eBatched => {
             let batched = scenario == Scenario::E2eBatched;
-            let (name, jobs) = if batched {
-                ("e2e-batched", s.batched_jobs)
-            } else {
-                ("e2e", s.e2e_jobs)
+            let chain = scenario == Scenario::E2eChained;
+            let (name, jobs) = match scenario {
+                Scenario::E2eBatched => ("e2e-batched", s.batched_jobs),
+                Scenario::E2eChained => ("e2e-chained", s.e2e_jobs),
+                _ => ("e2e", s.e2e_jobs),
             };
             let queue = ctx.queue(name);
-            let pipeline = ctx.pipeline(queue.clone(), batched);
+            let pipeline = ctx.pipeline(queue.clone(), batched, chain);
             progress(&format!(
                 "{name}: {} producers, {} workers, {jobs} jobs",
                 pipeline.producers, pipeline.workers
@@ -201,12 +209,13 @@ pub async fn run(
             }
             let run = pipeline.run(&ctx.conn, jobs).await?;
             emit(
-                Report::new(if batched { "e2e-batched" } else { "e2e" })
+                Report::new(name)
                     .field("producers", pipeline.producers)
                     .field("workers", pipeline.workers)
                     .field("jobs", jobs)
                     .field("submit_batch", pipeline.submit_batch)
                     .field("lease_max_jobs", pipeline.lease_max)
+                    .field("complete_and_lease", chain)
                     .rate("jobs_per_s", rate(run.completed, run.elapsed))
                     .latency("queue", summarize(run.queue_times))
                     .field("completed", run.completed)
@@ -214,28 +223,32 @@ pub async fn run(
                     .field("warmup_jobs", s.warmup),
             )?;
         }
-        Scenario::BurnDown => {
-            let queue = ctx.queue("burn-down");
-            let pipeline = ctx.pipeline(queue.clone(), true);
+        Scenario::BurnDown | Scenario::BurnDownChained => {
+            let chain = scenario == Scenario::BurnDownChained;
+            let name = if chain {
+                "burn-down-chained"
+            } else {
+                "burn-down"
+            };
+            let queue = ctx.queue(name);
+            let pipeline = ctx.pipeline(queue.clone(), true, chain);
             if s.warmup > 0 {
                 prefill(&ctx.conn, &queue, s.warmup, 0, None).await?;
                 pipeline.drain(&ctx.conn, s.warmup).await?;
             }
-            progress(&format!(
-                "burn-down: pre-submitting {} jobs",
-                s.burn_down_jobs
-            ));
+            progress(&format!("{name}: pre-submitting {} jobs", s.burn_down_jobs));
             prefill(&ctx.conn, &queue, s.burn_down_jobs, 0, None).await?;
             progress(&format!(
-                "burn-down: draining with {} workers",
+                "{name}: draining with {} workers",
                 pipeline.workers
             ));
             let run = pipeline.drain(&ctx.conn, s.burn_down_jobs).await?;
             emit(
-                Report::new("burn-down")
+                Report::new(name)
                     .field("workers", pipeline.workers)
                     .field("jobs", s.burn_down_jobs)
                     .field("lease_max_jobs", pipeline.lease_max)
+                    .field("complete_and_lease", chain)
                     .rate("jobs_per_s", rate(run.completed, run.elapsed))
                     .field("completed", run.completed)
                     .field("stats_succeeded", succeeded(&ctx.conn, &queue).await?)
@@ -266,7 +279,7 @@ pub async fn run(
         }
         Scenario::Backlog => {
             let queue = ctx.queue("backlog");
-            let pipeline = ctx.pipeline(queue.clone(), false);
+            let pipeline = ctx.pipeline(queue.clone(), false, false);
             let plan = backlog::Plan {
                 pipeline,
                 e2e_jobs: s.backlog_jobs,

@@ -12,7 +12,10 @@ use tokio_util::sync::CancellationToken;
 use super::super::conn::{Conn, Jobs, Workers};
 use super::super::error::BenchError;
 use super::load::{job, submit_batch, success};
-use crate::pb::{CompleteBatchRequest, LeaseRequest, complete_batch_result};
+use crate::pb::{
+    CompleteAndLeaseRequest, CompleteBatchRequest, CompleteBatchResult, LeaseRequest, LeasedJob,
+    complete_batch_result,
+};
 
 /// How long a worker's Lease long-polls when the queue is empty.
 const LEASE_WAIT: Duration = Duration::from_secs(5);
@@ -34,6 +37,9 @@ pub struct Pipeline {
     pub lease_max: u32,
     /// Priority of the submitted jobs.
     pub priority: i32,
+    /// Workers report outcomes with CompleteAndLease, which claims their
+    /// next jobs in the same call; they Lease only when it found none.
+    pub chain: bool,
 }
 
 /// What a run measured.
@@ -200,57 +206,83 @@ async fn work_loop(
     worker_id: String,
     shared: Arc<Shared>,
 ) -> Result<Times, BenchError> {
+    let lease = |wait: Duration| LeaseRequest {
+        worker_id: worker_id.clone(),
+        queues: vec![p.queue.clone()],
+        max_jobs: Some(p.lease_max.max(1)),
+        wait: Some(wait.into()),
+        ..Default::default()
+    };
     let mut times = Vec::new();
+    let mut held: Vec<LeasedJob> = Vec::new();
     loop {
-        let request = LeaseRequest {
-            worker_id: worker_id.clone(),
-            queues: vec![p.queue.clone()],
-            max_jobs: Some(p.lease_max.max(1)),
-            wait: Some(LEASE_WAIT.into()),
-            ..Default::default()
-        };
-        // Only the long-poll is cut short at the end: a completion in flight
-        // always finishes, so no job is left leased by a run that is done.
-        let leased = tokio::select! {
-            biased;
-            () = shared.done.cancelled() => return Ok(Times::Leased(times)),
-            answer = client.lease(request) => answer.map_err(|s| BenchError::rpc("Lease", s))?,
-        }
-        .into_inner()
-        .jobs;
-        if leased.is_empty() {
-            continue;
+        if held.is_empty() {
+            // Only the long-poll is cut short at the end: a completion in
+            // flight always finishes, so no job is left leased by a run
+            // that is done.
+            held = tokio::select! {
+                biased;
+                () = shared.done.cancelled() => return Ok(Times::Leased(times)),
+                answer = client.lease(lease(LEASE_WAIT)) => answer.map_err(|s| BenchError::rpc("Lease", s))?,
+            }
+            .into_inner()
+            .jobs;
+            if held.is_empty() {
+                continue;
+            }
         }
         let at = Instant::now();
-        times.extend(leased.iter().map(|j| (j.job_id.clone(), at)));
-        if p.lease_max > 1 {
-            let items = leased.iter().map(success).collect();
+        times.extend(held.iter().map(|j| (j.job_id.clone(), at)));
+        let n = held.len() as u64;
+        let next = if p.chain {
+            // No long-poll here: at the end of a run an idle worker must be
+            // in a Lease, which the run can cut short.
+            let answer = client
+                .complete_and_lease(CompleteAndLeaseRequest {
+                    items: held.iter().map(success).collect(),
+                    lease: Some(lease(Duration::ZERO)),
+                })
+                .await
+                .map_err(|s| BenchError::rpc("CompleteAndLease", s))?
+                .into_inner();
+            all_ended("CompleteAndLease", answer.results)?;
+            answer.jobs
+        } else if p.lease_max > 1 {
+            let items = held.iter().map(success).collect();
             let results = client
                 .complete_batch(CompleteBatchRequest { items })
                 .await
                 .map_err(|s| BenchError::rpc("CompleteBatch", s))?
                 .into_inner()
                 .results;
-            for result in results {
-                if let Some(complete_batch_result::Result::Error(e)) = result.result {
-                    return Err(BenchError::Item {
-                        call: "CompleteBatch",
-                        code: e.code,
-                        message: e.message,
-                    });
-                }
-            }
+            all_ended("CompleteBatch", results)?;
+            Vec::new()
         } else {
-            for job in &leased {
+            for job in &held {
                 client
                     .complete(success(job))
                     .await
                     .map_err(|s| BenchError::rpc("Complete", s))?;
             }
-        }
-        let n = leased.len() as u64;
+            Vec::new()
+        };
         if shared.completed.fetch_add(n, Ordering::Relaxed) + n >= shared.jobs {
             shared.done.cancel();
         }
+        held = next;
     }
+}
+
+/// Fails on the first item of a batched completion that was refused.
+fn all_ended(call: &'static str, results: Vec<CompleteBatchResult>) -> Result<(), BenchError> {
+    for result in results {
+        if let Some(complete_batch_result::Result::Error(e)) = result.result {
+            return Err(BenchError::Item {
+                call,
+                code: e.code,
+                message: e.message,
+            });
+        }
+    }
+    Ok(())
 }
