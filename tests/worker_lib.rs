@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 common::backend_tests!(
     handler_success,
+    a_busy_slot_gets_its_next_job_with_its_outcome,
     error_then_retry,
     cancellation_reaches_handler_within_one_heartbeat,
     lost_lease_fires_token,
@@ -120,6 +121,38 @@ async fn handler_success(backend: Backend) {
     assert_eq!(state(&get(&mut jobs, &other.id).await), St::Queued);
 
     worker.stop(LONG).await.expect("worker stops cleanly");
+    server.stop().await;
+}
+
+/// A slot that reports an outcome while jobs are queued gets its next job
+/// in the same call (`CompleteAndLease`): a one-slot worker drains a queue
+/// with one `Lease` (two when the queue's end races a poll), and every
+/// outcome goes through `CompleteAndLease`.
+async fn a_busy_slot_gets_its_next_job_with_its_outcome(backend: Backend) {
+    const JOBS: usize = 12;
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let mut ids = Vec::new();
+    for i in 0..JOBS {
+        ids.push(submit(&mut jobs, "q", "echo", json!({"n": i})).await.id);
+    }
+    let worker = Running::start(builder(&server).queue("q").handler("echo", echo));
+    for id in &ids {
+        wait_for_state(&mut jobs, id, St::Succeeded, LONG).await;
+    }
+    worker.stop(LONG).await.expect("worker stops cleanly");
+    let metrics = parse(&scrape(server.http_addr).await);
+    let calls = |method: &str| {
+        metrics
+            .get(&format!(
+                "intray_rpc_responses_total{{method=\"/intray.v1.WorkerService/{method}\",code=\"OK\"}}"
+            ))
+            .copied()
+            .unwrap_or(0.0)
+    };
+    assert_eq!(calls("CompleteAndLease"), JOBS as f64, "{metrics:?}");
+    assert_eq!(calls("Complete"), 0.0);
+    assert!(calls("Lease") <= 2.0, "Lease calls: {}", calls("Lease"));
     server.stop().await;
 }
 

@@ -26,8 +26,9 @@ enum Ended {
     Abandoned,
 }
 
-/// Runs one leased job to its reported outcome.
-pub(crate) async fn run(shared: &Shared, leased: pb::LeasedJob) {
+/// Runs one leased job to its reported outcome; the slot's next job when
+/// the report brought one back.
+pub(crate) async fn run(shared: &Shared, leased: pb::LeasedJob) -> Option<pb::LeasedJob> {
     let ctx = JobContext::new(
         leased.job_id.clone(),
         leased.attempt,
@@ -49,7 +50,7 @@ pub(crate) async fn run(shared: &Shared, leased: pb::LeasedJob) {
             // Another worker may hold the job now; anything sent would be
             // refused with ABORTED anyway.
             tracing::warn!(job_id = %leased.job_id, "lease lost; the outcome is dropped");
-            return;
+            return None;
         }
         (Some(CancelReason::CancelRequested), _) => failure(&JobError::fatal(
             "cancelled",
@@ -73,7 +74,7 @@ pub(crate) async fn run(shared: &Shared, leased: pb::LeasedJob) {
         // Abandoned only happens after the token fired, so with a reason.
         (None, Ended::Abandoned) => failure(&JobError::retryable("handler_abandoned", "")),
     };
-    complete(shared, &leased, outcome, ctx.cost_cents()).await;
+    complete(shared, &leased, outcome, ctx.cost_cents()).await
 }
 
 /// Waits for the handler while heartbeating; fires its token on shutdown
@@ -161,30 +162,60 @@ fn failure(error: &JobError) -> Outcome {
 /// lease (after that the lease is likely gone). A success the server refuses
 /// as invalid (a result over the size limit) is reported as a final failure
 /// of class `invalid_result`, so the job does not wait out its lease.
-async fn complete(shared: &Shared, leased: &pb::LeasedJob, outcome: Outcome, cost_cents: i64) {
+///
+/// Unless the worker is draining, the first report is a `CompleteAndLease`
+/// that claims the slot's next job in the same transaction; that job is
+/// returned whatever became of the outcome. Later tries go alone, so a slot
+/// never gets two.
+async fn complete(
+    shared: &Shared,
+    leased: &pb::LeasedJob,
+    outcome: Outcome,
+    cost_cents: i64,
+) -> Option<pb::LeasedJob> {
     let give_up = Instant::now() + shared.config.lease_duration;
     let mut retry = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
     let mut outcome = outcome;
+    let mut chain = shared.may_chain();
+    let mut next = None;
     loop {
-        let mut request = tonic::Request::new(pb::CompleteRequest {
+        let item = pb::CompleteRequest {
             job_id: leased.job_id.clone(),
             lease_token: leased.lease_token.clone(),
             outcome: Some(outcome.clone()),
             cost_cents,
-        });
-        request.set_timeout(CALL_TIMEOUT);
-        let mut client = shared.client.clone();
-        let status = match client.complete(request).await {
-            Ok(_) => {
+        };
+        let chained = std::mem::take(&mut chain);
+        let reported = if chained {
+            complete_and_lease(shared, item)
+                .await
+                .map(|(refused, job)| {
+                    next = job;
+                    refused
+                })
+        } else {
+            let mut request = tonic::Request::new(item);
+            request.set_timeout(CALL_TIMEOUT);
+            let mut client = shared.client.clone();
+            client.complete(request).await.map(|_| None)
+        };
+        let status = match reported {
+            Ok(None) => {
                 tracing::debug!(job_id = %leased.job_id, "outcome reported");
-                return;
+                return next;
+            }
+            Ok(Some(refused)) => refused,
+            Err(status) if chained && status.code() == Code::Unimplemented => {
+                tracing::info!("the server has no CompleteAndLease; outcomes go alone");
+                shared.stop_chaining();
+                continue;
             }
             Err(status) => status,
         };
         match status.code() {
             Code::Aborted | Code::NotFound => {
                 tracing::warn!(job_id = %leased.job_id, message = status.message(), "lease lost before the outcome was reported; it is dropped");
-                return;
+                return next;
             }
             Code::InvalidArgument if matches!(outcome, Outcome::Success(_)) => {
                 tracing::warn!(job_id = %leased.job_id, message = status.message(), "the server refused the result");
@@ -207,8 +238,32 @@ async fn complete(shared: &Shared, leased: &pb::LeasedJob, outcome: Outcome, cos
             }
             _ => {
                 tracing::error!(job_id = %leased.job_id, code = ?status.code(), message = status.message(), "could not report the outcome; the lease will expire and the job run again");
-                return;
+                return next;
             }
         }
     }
+}
+
+/// One `CompleteAndLease` of `item`: the item's refusal as a status (none
+/// when its outcome was applied), and the next job it claimed.
+async fn complete_and_lease(
+    shared: &Shared,
+    item: pb::CompleteRequest,
+) -> Result<(Option<tonic::Status>, Option<pb::LeasedJob>), tonic::Status> {
+    use pb::complete_batch_result::Result as Item;
+    let mut request = tonic::Request::new(pb::CompleteAndLeaseRequest {
+        items: vec![item],
+        lease: Some(shared.next_job_request()),
+    });
+    request.set_timeout(CALL_TIMEOUT);
+    let mut client = shared.client.clone();
+    let answer = client.complete_and_lease(request).await?.into_inner();
+    let refused = match answer.results.into_iter().next().and_then(|r| r.result) {
+        Some(Item::Job(_)) => None,
+        Some(Item::Error(e)) => Some(tonic::Status::new(Code::from(e.code), e.message)),
+        None => Some(tonic::Status::internal(
+            "CompleteAndLease answered no result",
+        )),
+    };
+    Ok((refused, answer.jobs.into_iter().next()))
 }

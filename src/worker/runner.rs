@@ -3,6 +3,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -32,6 +33,35 @@ pub(crate) struct Shared {
     pub handlers: Handlers,
     /// Fired when the drain grace period is over: running handlers must stop.
     pub hard_stop: CancellationToken,
+    /// Fired when the worker stops leasing: attempts stop asking for their
+    /// next job with their outcome.
+    pub draining: CancellationToken,
+    /// Whether the server has `CompleteAndLease` (until it answers
+    /// `UNIMPLEMENTED`).
+    pub chaining: AtomicBool,
+}
+
+impl Shared {
+    /// Whether a finished attempt should ask for its slot's next job with
+    /// its outcome.
+    pub fn may_chain(&self) -> bool {
+        !self.draining.is_cancelled() && self.chaining.load(Ordering::Relaxed)
+    }
+
+    /// The server does not know `CompleteAndLease`: outcomes go alone.
+    pub fn stop_chaining(&self) {
+        self.chaining.store(false, Ordering::Relaxed);
+    }
+
+    /// The claim sent with an attempt's outcome: one job for the slot it
+    /// frees, without a long-poll (an idle slot goes back to the lease
+    /// loop, which the shutdown signal can cut short).
+    pub fn next_job_request(&self) -> pb::LeaseRequest {
+        pb::LeaseRequest {
+            wait: Some(Duration::ZERO.into()),
+            ..lease_request(&self.config, 1)
+        }
+    }
 }
 
 impl Worker {
@@ -48,6 +78,8 @@ impl Worker {
                 config,
                 handlers,
                 hard_stop: CancellationToken::new(),
+                draining: CancellationToken::new(),
+                chaining: AtomicBool::new(true),
             }),
         }
     }
@@ -137,15 +169,15 @@ impl Worker {
                 }
             }
         };
+        shared.draining.cancel();
         drain(&shared, &mut attempts).await;
         outcome
     }
 }
 
-/// One `Lease` call for up to `max_jobs`, long-polling.
-async fn lease(shared: &Shared, max_jobs: usize) -> Result<Vec<pb::LeasedJob>, tonic::Status> {
-    let config = &shared.config;
-    let mut request = tonic::Request::new(pb::LeaseRequest {
+/// What this worker leases, `max_jobs` at a time, long-polling.
+fn lease_request(config: &Config, max_jobs: usize) -> pb::LeaseRequest {
+    pb::LeaseRequest {
         worker_id: config.worker_id.clone(),
         queues: config.queues.clone(),
         kinds: config.kinds.clone(),
@@ -153,7 +185,13 @@ async fn lease(shared: &Shared, max_jobs: usize) -> Result<Vec<pb::LeasedJob>, t
         lease_duration: Some(config.lease_duration.into()),
         wait: Some(config.poll_wait.into()),
         all_tenants: false,
-    });
+    }
+}
+
+/// One `Lease` call for up to `max_jobs`, long-polling.
+async fn lease(shared: &Shared, max_jobs: usize) -> Result<Vec<pb::LeasedJob>, tonic::Status> {
+    let config = &shared.config;
+    let mut request = tonic::Request::new(lease_request(config, max_jobs));
     request.set_timeout(config.poll_wait + LEASE_CALL_SLACK);
     let mut client = shared.client.clone();
     Ok(client.lease(request).await?.into_inner().jobs)
@@ -170,10 +208,15 @@ fn refuses_worker(code: Code) -> bool {
     )
 }
 
+/// Runs a leased job, then each next job its outcome's report brought
+/// back, in the same slot.
 async fn run_one(shared: Arc<Shared>, leased: pb::LeasedJob, permit: OwnedSemaphorePermit) {
-    attempt::run(&shared, leased).await;
-    // The slot frees only once the outcome is reported, so the worker never
-    // holds more leases than its concurrency.
+    let mut next = Some(leased);
+    while let Some(leased) = next {
+        next = attempt::run(&shared, leased).await;
+    }
+    // The slot frees only once the outcome is reported and no next job came
+    // with it, so the worker never holds more leases than its concurrency.
     drop(permit);
 }
 
