@@ -6,6 +6,9 @@
 //! from PyPI, and generates the gRPC stubs from `proto/` with grpcio-tools.
 //! A missing python3, venv module or pip fails the test with a message
 //! naming what is missing: it never skips.
+//!
+//! Every outcome must go with `CompleteAndLease` (checked by the server's
+//! RPC metrics), and a busy worker's next job must come back with it.
 
 mod common;
 
@@ -183,6 +186,31 @@ async fn python_worker_end_to_end(backend: Backend) {
         cancelled_at.elapsed() < Duration::from_secs(5),
         "the worker reported the cancel within a heartbeat or so (1 s), not at the 30 s grace: {:?}",
         cancelled_at.elapsed()
+    );
+
+    // A busy worker's outcome brings its next job: five jobs queued behind
+    // a running one are each leased by the previous job's CompleteAndLease,
+    // on their first attempt (a job the worker dropped would come back on a
+    // second one, after its 3 s lease).
+    let busy = submit(&mut jobs, "py", "sleep", json!({"seconds": 2})).await;
+    wait_for_state(&mut jobs, &busy.id, St::Running, LONG).await;
+    // Counted once the worker holds the job: its earlier reports are answered.
+    let chained_before = worker_calls_ok(server.http_addr, "CompleteAndLease").await;
+    let mut queued = Vec::new();
+    for n in 0..5 {
+        queued.push(submit(&mut jobs, "py", "echo", json!({"n": n})).await.id);
+    }
+    wait_for_state(&mut jobs, &busy.id, St::Succeeded, LONG).await;
+    for id in &queued {
+        let done = wait_for_state(&mut jobs, id, St::Succeeded, LONG).await;
+        assert_eq!(done.attempt, 1, "job {id} ran more than once");
+    }
+    let chained = worker_calls_ok(server.http_addr, "CompleteAndLease").await - chained_before;
+    assert_eq!(chained, 6.0, "one CompleteAndLease per outcome");
+    assert_eq!(
+        worker_calls_ok(server.http_addr, "Complete").await,
+        0.0,
+        "every outcome of the run went with CompleteAndLease"
     );
 
     // SIGTERM: stops leasing and exits cleanly.

@@ -5,9 +5,11 @@
 mod common;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::*;
+use intray::pb::worker_service_server::{WorkerService, WorkerServiceServer};
 use intray::pb::{self, JobState as St};
 use intray::worker::{CancelReason, Job, JobContext, JobError, Worker, WorkerBuilder, WorkerError};
 use serde_json::{Value, json};
@@ -18,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 common::backend_tests!(
     handler_success,
     a_busy_slot_gets_its_next_job_with_its_outcome,
+    a_server_without_complete_and_lease_gets_plain_completes,
     error_then_retry,
     cancellation_reaches_handler_within_one_heartbeat,
     lost_lease_fires_token,
@@ -57,7 +60,11 @@ async fn within_time<T>(d: Duration, what: &str, fut: impl std::future::Future<O
 }
 
 fn builder(server: &TestServer) -> WorkerBuilder {
-    Worker::builder(&server.url())
+    builder_at(&server.url())
+}
+
+fn builder_at(url: &str) -> WorkerBuilder {
+    Worker::builder(url)
         .tenant(TENANT)
         .worker_id("lib-worker")
         .poll_wait(Duration::from_secs(2))
@@ -141,18 +148,110 @@ async fn a_busy_slot_gets_its_next_job_with_its_outcome(backend: Backend) {
         wait_for_state(&mut jobs, id, St::Succeeded, LONG).await;
     }
     worker.stop(LONG).await.expect("worker stops cleanly");
-    let metrics = parse(&scrape(server.http_addr).await);
-    let calls = |method: &str| {
-        metrics
-            .get(&format!(
-                "intray_rpc_responses_total{{method=\"/intray.v1.WorkerService/{method}\",code=\"OK\"}}"
-            ))
-            .copied()
-            .unwrap_or(0.0)
+    let calls = |method| worker_calls_ok(server.http_addr, method);
+    assert_eq!(calls("CompleteAndLease").await, JOBS as f64);
+    assert_eq!(calls("Complete").await, 0.0);
+    let leases = calls("Lease").await;
+    assert!(leases <= 2.0, "Lease calls: {leases}");
+    server.stop().await;
+}
+
+/// A server as it was before `CompleteAndLease`: every other worker call
+/// goes through to the real server, and `CompleteAndLease` is answered
+/// `UNIMPLEMENTED`, as tonic answers a method it does not know.
+struct OlderServer {
+    upstream: WorkersClient,
+    chained_calls: Arc<AtomicUsize>,
+}
+
+#[tonic::async_trait]
+impl WorkerService for OlderServer {
+    async fn lease(
+        &self,
+        request: tonic::Request<pb::LeaseRequest>,
+    ) -> Result<tonic::Response<pb::LeaseResponse>, tonic::Status> {
+        self.upstream.clone().lease(request.into_inner()).await
+    }
+
+    async fn heartbeat(
+        &self,
+        request: tonic::Request<pb::HeartbeatRequest>,
+    ) -> Result<tonic::Response<pb::HeartbeatResponse>, tonic::Status> {
+        self.upstream.clone().heartbeat(request.into_inner()).await
+    }
+
+    async fn complete(
+        &self,
+        request: tonic::Request<pb::CompleteRequest>,
+    ) -> Result<tonic::Response<pb::CompleteResponse>, tonic::Status> {
+        self.upstream.clone().complete(request.into_inner()).await
+    }
+
+    async fn complete_batch(
+        &self,
+        request: tonic::Request<pb::CompleteBatchRequest>,
+    ) -> Result<tonic::Response<pb::CompleteBatchResponse>, tonic::Status> {
+        self.upstream
+            .clone()
+            .complete_batch(request.into_inner())
+            .await
+    }
+
+    async fn complete_and_lease(
+        &self,
+        _request: tonic::Request<pb::CompleteAndLeaseRequest>,
+    ) -> Result<tonic::Response<pb::CompleteAndLeaseResponse>, tonic::Status> {
+        self.chained_calls.fetch_add(1, Ordering::SeqCst);
+        Err(tonic::Status::unimplemented(
+            "unknown method CompleteAndLease",
+        ))
+    }
+}
+
+/// Starts an [`OlderServer`] in front of `server`: its URL and its count of
+/// `CompleteAndLease` calls.
+async fn older_server_in_front_of(server: &TestServer) -> (String, Arc<AtomicUsize>) {
+    let chained_calls = Arc::new(AtomicUsize::new(0));
+    let proxy = OlderServer {
+        upstream: server.workers_client(TENANT),
+        chained_calls: Arc::clone(&chained_calls),
     };
-    assert_eq!(calls("CompleteAndLease"), JOBS as f64, "{metrics:?}");
-    assert_eq!(calls("Complete"), 0.0);
-    assert!(calls("Lease") <= 2.0, "Lease calls: {}", calls("Lease"));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind the older server");
+    let url = format!("http://{}", listener.local_addr().expect("its address"));
+    let incoming = tonic::transport::server::TcpIncoming::from(listener);
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(WorkerServiceServer::new(proxy))
+            .serve_with_incoming(incoming),
+    );
+    (url, chained_calls)
+}
+
+async fn a_server_without_complete_and_lease_gets_plain_completes(backend: Backend) {
+    const JOBS: usize = 6;
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let mut ids = Vec::new();
+    for i in 0..JOBS {
+        ids.push(submit(&mut jobs, "q", "echo", json!({"n": i})).await.id);
+    }
+    let (url, chained_calls) = older_server_in_front_of(&server).await;
+    let worker = Running::start(builder_at(&url).queue("q").handler("echo", echo));
+    for id in &ids {
+        let done = wait_for_state(&mut jobs, id, St::Succeeded, LONG).await;
+        assert_eq!(done.attempt, 1, "job {id} ran more than once");
+    }
+    worker.stop(LONG).await.expect("worker stops cleanly");
+    assert_eq!(
+        chained_calls.load(Ordering::SeqCst),
+        1,
+        "one UNIMPLEMENTED answer switches the worker to Complete for good"
+    );
+    let calls = |method| worker_calls_ok(server.http_addr, method);
+    assert_eq!(calls("Complete").await, JOBS as f64);
+    assert_eq!(calls("CompleteAndLease").await, 0.0);
     server.stop().await;
 }
 

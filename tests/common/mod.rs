@@ -869,6 +869,17 @@ pub async fn http_exchange(addr: SocketAddr, request: &str) -> (String, String) 
     (head.to_owned(), body.to_owned())
 }
 
+/// How many calls of `WorkerService/{method}` the server at `addr` has
+/// answered OK, from its RPC metrics.
+pub async fn worker_calls_ok(addr: SocketAddr, method: &str) -> f64 {
+    parse(&scrape(addr).await)
+        .get(&format!(
+            "intray_rpc_responses_total{{method=\"/intray.v1.WorkerService/{method}\",code=\"OK\"}}"
+        ))
+        .copied()
+        .unwrap_or(0.0)
+}
+
 /// `name{labels} value` lines as a map from `name{labels}` to the value.
 pub fn parse(text: &str) -> HashMap<String, f64> {
     text.lines()
