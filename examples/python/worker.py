@@ -239,6 +239,7 @@ def run_job(stub, reporter, job):
 
 
 def lease_request(wait_seconds):
+    """A claim of one job that long-polls up to `wait_seconds` (0: answer at once)."""
     return pb.LeaseRequest(
         worker_id=ARGS.worker_id, queues=ARGS.queue, max_jobs=1,
         lease_duration=duration_pb2.Duration(seconds=ARGS.lease_seconds),
