@@ -25,6 +25,7 @@ common::backend_tests!(
     idempotency,
     cancel_queued_and_running,
     cancel_grace_revokes_lease,
+    heartbeat_renews_by_the_leased_length,
     watch_resume_from_sequence,
     watch_live_push,
     concurrent_drain,
@@ -430,8 +431,41 @@ async fn retries_exhausted_then_replay(backend: Backend) {
     assert_eq!(a3.job_id, job.id);
     assert_eq!(a3.attempt, 1, "attempts count again from 1 after a replay");
     assert_ne!(a3.lease_token, a2.lease_token);
+    // A watch from the start passes the old FAILED event and stays open
+    // while the replayed job runs.
+    let mut watch = jobs
+        .watch_job(pb::WatchJobRequest {
+            id: job.id.clone(),
+            after_sequence: 0,
+        })
+        .await
+        .expect("WatchJob")
+        .into_inner();
+    let mut seen = Vec::new();
+    while seen.last() != Some(&Ev::Leased) || !seen.contains(&Ev::Replayed) {
+        let event = next_event(&mut watch, LONG, "history of the replayed job").await;
+        seen.push(Ev::try_from(event.r#type).expect("event type"));
+    }
+    assert!(
+        seen.contains(&Ev::Failed),
+        "history holds the FAILED: {seen:?}"
+    );
+    let open = tokio::time::timeout(Duration::from_millis(500), watch.next()).await;
+    assert!(
+        open.is_err(),
+        "the watch of a running job stays open: {open:?}"
+    );
     let done = complete_ok(&mut workers, &a3).await;
     assert_eq!(state(&done), St::Succeeded);
+    let last = next_event(&mut watch, LONG, "SUCCEEDED after the replay").await;
+    assert_eq!(last.r#type, Ev::Succeeded as i32);
+    assert!(
+        tokio::time::timeout(LONG, watch.next())
+            .await
+            .expect("the stream ends")
+            .is_none(),
+        "the stream ends after the latest terminal event"
+    );
 
     let again = jobs
         .retry(pb::RetryJobRequest {
@@ -801,6 +835,77 @@ async fn cancel_grace_revokes_lease(backend: Backend) {
 // ---------------------------------------------------------------------------
 // 6. watch
 // ---------------------------------------------------------------------------
+
+/// A `Heartbeat` without `extend_by` renews the lease by the length it was
+/// taken with (the proto's contract), both for a claimed job and for one
+/// handed to a parked call, and not by the server's 60 s default.
+async fn heartbeat_renews_by_the_leased_length(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+    let beat = |leased: &pb::LeasedJob, extend_by: Option<u64>| pb::HeartbeatRequest {
+        job_id: leased.job_id.clone(),
+        lease_token: leased.lease_token.clone(),
+        extend_by: extend_by.map(secs),
+        ..Default::default()
+    };
+    let expires_in = |hb: pb::HeartbeatResponse| {
+        (time(&hb.lease_expires_at, "lease_expires_at") - Utc::now()).num_seconds()
+    };
+
+    submit(&mut jobs, "hb", "k", json!({})).await;
+    let mut req = lease_req("w", "hb", 1, Duration::ZERO);
+    req.lease_duration = Some(secs(600));
+    let claimed = workers.lease(req).await.expect("Lease").into_inner().jobs;
+    let claimed = claimed.first().expect("claimed");
+    let hb = workers
+        .heartbeat(beat(claimed, None))
+        .await
+        .expect("Heartbeat");
+    let left = expires_in(hb.into_inner());
+    assert!(
+        (590..=600).contains(&left),
+        "renewed by 600 s, {left} s left"
+    );
+    let hb = workers
+        .heartbeat(beat(claimed, Some(5)))
+        .await
+        .expect("Heartbeat");
+    let left = expires_in(hb.into_inner());
+    assert!((0..=5).contains(&left), "extend_by 5 s, {left} s left");
+    let hb = workers
+        .heartbeat(beat(claimed, None))
+        .await
+        .expect("Heartbeat");
+    let left = expires_in(hb.into_inner());
+    assert!((590..=600).contains(&left), "back to 600 s, {left} s left");
+
+    // Handed off at submit to a parked call.
+    let mut req = lease_req("w", "hb-parked", 1, Duration::from_secs(10));
+    req.lease_duration = Some(secs(300));
+    let mut parked_workers = workers.clone();
+    let parked = tokio::spawn(async move { parked_workers.lease(req).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let job = submit(&mut jobs, "hb-parked", "k", json!({})).await;
+    assert_eq!(state(&job), St::Running, "handed off in the submit");
+    let handed = parked
+        .await
+        .expect("joined")
+        .expect("Lease")
+        .into_inner()
+        .jobs;
+    let handed = handed.first().expect("handed");
+    let hb = workers
+        .heartbeat(beat(handed, None))
+        .await
+        .expect("Heartbeat");
+    let left = expires_in(hb.into_inner());
+    assert!(
+        (290..=300).contains(&left),
+        "renewed by 300 s, {left} s left"
+    );
+    server.stop().await;
+}
 
 async fn watch_resume_from_sequence(backend: Backend) {
     let server = TestServer::start(backend).await;
@@ -1263,6 +1368,15 @@ async fn validation(backend: Backend) {
     bad_submit!(&["idempotency_key"], "idempotency_key of 257", |r| r
         .idempotency_key =
         "k".repeat(257));
+    // PostgreSQL cannot store NUL in text, nor times before 4713 BC.
+    bad_submit!(&["idempotency_key"], "idempotency_key with NUL", |r| r
+        .idempotency_key =
+        "a\0b".into());
+    bad_submit!(&["run_at"], "run_at before year 1", |r| r.run_at =
+        Some(pbjson_types::Timestamp {
+            seconds: -5_000_000_000_000,
+            nanos: 0,
+        }));
     bad_submit!(&["backoff.initial", "backoff"], "backoff initial 0", |r| {
         r.backoff = Some(pb::Backoff {
             initial: Some(ms(0)),
@@ -1319,6 +1433,9 @@ async fn validation(backend: Backend) {
     bad_lease!(&["max_jobs"], "Lease max_jobs 101", |r| r.max_jobs =
         Some(101));
     bad_lease!(&["wait"], "Lease wait 61 s", |r| r.wait = Some(secs(61)));
+    bad_lease!(&["worker_id"], "Lease with NUL in worker_id", |r| r
+        .worker_id =
+        "w\0".into());
     bad_lease!(&["lease_duration"], "Lease lease_duration 0", |r| r
         .lease_duration =
         Some(ms(0)));
@@ -1358,6 +1475,27 @@ async fn validation(backend: Backend) {
             .await,
         &["progress"],
         "Heartbeat with progress 1.5",
+    );
+    expect_invalid(
+        workers
+            .heartbeat(pb::HeartbeatRequest {
+                job_id: leased.job_id.clone(),
+                lease_token: leased.lease_token.clone(),
+                message: "a\0b".into(),
+                ..Default::default()
+            })
+            .await,
+        &["message"],
+        "Heartbeat with NUL in its message",
+    );
+    expect_invalid(
+        jobs.cancel(pb::CancelJobRequest {
+            id: leased.job_id.clone(),
+            reason: "a\0b".into(),
+        })
+        .await,
+        &["reason"],
+        "Cancel with NUL in its reason",
     );
     expect_invalid(
         workers
@@ -2086,12 +2224,15 @@ async fn submit_batch_partial(backend: Backend) {
     let mut conflicting = keyed.clone();
     conflicting.payload = Some(json_to_value(json!({"keyed": false})));
 
+    let mut nul_key = submit_req("b", "k", json!({"i": 5}));
+    nul_key.idempotency_key = "a\0b".into();
     let items = vec![
         submit_req("b", "k", json!({"i": 0})),
         submit_req("b", "", json!({"i": 1})),
         submit_req("b", "k", json!({"i": 2})),
         keyed,
         conflicting,
+        nul_key,
     ];
     let res = jobs
         .submit_batch(pb::SubmitBatchRequest { jobs: items })
@@ -2099,7 +2240,7 @@ async fn submit_batch_partial(backend: Backend) {
         .expect("SubmitBatch")
         .into_inner()
         .results;
-    assert_eq!(res.len(), 5, "one result per item");
+    assert_eq!(res.len(), 6, "one result per item");
     use pb::submit_batch_result::Result as R;
     let created = |r: &pb::SubmitBatchResult| match &r.result {
         Some(R::Ok(ok)) => (ok.created, ok.job.clone().expect("job")),
@@ -2125,6 +2266,10 @@ async fn submit_batch_partial(backend: Backend) {
     match &res[4].result {
         Some(R::Error(e)) => assert_eq!(e.code, Code::AlreadyExists as i32, "{e:?}"),
         other => panic!("item 4 reuses a key with other input, got {other:?}"),
+    }
+    match &res[5].result {
+        Some(R::Error(e)) => assert_eq!(e.code, Code::InvalidArgument as i32, "{e:?}"),
+        other => panic!("item 5 has NUL in its key, got {other:?}"),
     }
     let all = ids(&list_all(&mut jobs, list_req()).await);
     let want: HashSet<String> = [j0.id, j2.id, original.id].into_iter().collect();

@@ -31,6 +31,11 @@ fn opt_timestamp(t: Option<DateTime<Utc>>) -> Option<pbjson_types::Timestamp> {
     t.map(timestamp)
 }
 
+/// The protobuf `Timestamp` range, 0001-01-01 to 9999-12-31 (UTC), in
+/// seconds: both backends store any time in it, and PostgreSQL refuses some
+/// outside it that chrono would take.
+const TIMESTAMP_SECONDS: std::ops::RangeInclusive<i64> = -62_135_596_800..=253_402_300_799;
+
 /// A protobuf `Timestamp` as a time; `field` names it in the error for an
 /// out-of-range one.
 pub fn from_timestamp(
@@ -38,6 +43,12 @@ pub fn from_timestamp(
     t: Option<pbjson_types::Timestamp>,
 ) -> Result<Option<DateTime<Utc>>> {
     let Some(t) = t else { return Ok(None) };
+    if !TIMESTAMP_SECONDS.contains(&t.seconds) {
+        return Err(ValidationError::new(
+            field,
+            "must be between 0001-01-01 and 9999-12-31",
+        ));
+    }
     let nanos = u32::try_from(t.nanos)
         .ok()
         .filter(|n| *n < 1_000_000_000)
@@ -379,6 +390,22 @@ mod tests {
             from_timestamp("run_at", Some(bad)).unwrap_err().field,
             "run_at"
         );
+    }
+
+    #[test]
+    fn timestamps_outside_the_protobuf_range_are_refused() {
+        let at = |seconds| pbjson_types::Timestamp { seconds, nanos: 0 };
+        for seconds in [-62_135_596_800, 0, 253_402_300_799] {
+            assert!(
+                from_timestamp("run_at", Some(at(seconds))).is_ok(),
+                "{seconds}"
+            );
+        }
+        // The last is a time chrono holds and PostgreSQL does not.
+        for seconds in [-62_135_596_801, 253_402_300_800, -5_000_000_000_000] {
+            let err = from_timestamp("deadline", Some(at(seconds))).unwrap_err();
+            assert_eq!(err.field, "deadline", "{seconds}");
+        }
     }
 
     #[test]

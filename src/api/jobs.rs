@@ -192,10 +192,7 @@ impl JobService for JobsApi {
         let tenant = tenant_of(&request)?;
         let request = request.into_inner();
         let id = job_id(&request.id)?;
-        if request.reason.len() > 1024 {
-            return Err(ValidationError::new("reason", "must be at most 1024 characters").into());
-        }
-        let reason = (!request.reason.is_empty()).then_some(request.reason.as_str());
+        let reason = validate::cancel_reason(&request.reason)?;
         let job = self
             .ctx
             .store
@@ -348,6 +345,8 @@ struct Watching {
     after: u64,
     ready: VecDeque<JobEvent>,
     done: bool,
+    /// The last read filled its batch: events may follow it.
+    cut_short: bool,
     /// The job's count of unkept changes before the last read that found
     /// nothing new; `None` when the next wake-up must read.
     read_at: Option<u64>,
@@ -373,6 +372,7 @@ fn watch_events(ctx: Context, tenant: String, id: Uuid, after: u64) -> WatchStre
         after,
         ready: VecDeque::new(),
         done: false,
+        cut_short: false,
         read_at: None,
     };
     Box::pin(futures::stream::unfold(start, |mut w| async move {
@@ -385,7 +385,10 @@ fn watch_events(ctx: Context, tenant: String, id: Uuid, after: u64) -> WatchStre
         }
         let event = w.ready.pop_front()?;
         w.after = event.sequence;
-        w.done = w.done || event.is_terminal();
+        // A replayed job's history holds earlier terminal events: only the
+        // latest event known ends the stream, and not the last of a full
+        // read, which may have left later ones behind.
+        w.done = event.is_terminal() && w.ready.is_empty() && !w.cut_short;
         Some((Ok(convert::event(&event)), w))
     }))
 }
@@ -403,6 +406,7 @@ impl Watching {
             let unkept = self.watch.unkept_changes();
             let kept = self.watch.events_after(self.after);
             if !kept.is_empty() {
+                self.cut_short = false;
                 self.ready.extend(kept);
                 return Ok(());
             }
@@ -421,6 +425,7 @@ impl Watching {
                 if !events.is_empty() {
                     // A batch may not be all there is: read again after it.
                     self.read_at = None;
+                    self.cut_short = events.len() >= WATCH_BATCH as usize;
                     self.ready.extend(events);
                     return Ok(());
                 }

@@ -318,8 +318,12 @@ pub struct Handoff {
 pub struct HeartbeatSpec {
     pub job_id: Uuid,
     pub lease_token: String,
-    /// The new lease length from now.
-    pub extend_by: Duration,
+    /// The new lease length from now; `None`: the length the lease was
+    /// taken with.
+    pub extend_by: Option<Duration>,
+    /// The length for a lease taken before the store recorded lengths
+    /// (migration 0011 on PostgreSQL, 0006 on SQLite): the server's default.
+    pub unrecorded_lease: Duration,
     pub progress: Option<f64>,
     pub message: Option<String>,
 }

@@ -149,6 +149,26 @@ fn json_has_nul(v: &Value) -> bool {
     }
 }
 
+/// Free text: at most `max` characters, and no NUL (see [`NUL_REASON`]).
+fn text(field: &str, value: &str, max: usize) -> Result<()> {
+    if value.len() > max && value.chars().count() > max {
+        return Err(ValidationError::new(
+            field,
+            format!("must be at most {max} characters"),
+        ));
+    }
+    if value.contains('\0') {
+        return Err(ValidationError::new(field, NUL_REASON));
+    }
+    Ok(())
+}
+
+/// A `Cancel` call's reason: up to 1024 characters; `None` when empty.
+pub fn cancel_reason(value: &str) -> Result<Option<&str>> {
+    text("reason", value, 1024)?;
+    Ok((!value.is_empty()).then_some(value))
+}
+
 /// A payload or result: bounded size and nesting, no NUL characters.
 pub fn json_value(field: &str, value: &Value, max_bytes: usize) -> Result<()> {
     if json_has_nul(value) {
@@ -191,15 +211,7 @@ fn labels(field: &str, labels: &BTreeMap<String, String>) -> Result<()> {
                 "label keys are 1..=63 characters of a-z 0-9 _ . - /",
             ));
         }
-        if value.len() > 256 {
-            return Err(ValidationError::new(
-                format!("{field}[{key}]"),
-                "label values are at most 256 characters",
-            ));
-        }
-        if value.contains('\0') {
-            return Err(ValidationError::new(format!("{field}[{key}]"), NUL_REASON));
-        }
+        text(&format!("{field}[{key}]"), value, 256)?;
     }
     Ok(())
 }
@@ -236,12 +248,7 @@ pub fn submit(
     let queue = queue("queue", &input.queue)?;
     let kind = kind("kind", &input.kind)?;
     json_value("payload", &input.payload, limits.max_payload_bytes)?;
-    if input.idempotency_key.len() > 256 {
-        return Err(ValidationError::new(
-            "idempotency_key",
-            "must be at most 256 characters",
-        ));
-    }
+    text("idempotency_key", &input.idempotency_key, 256)?;
     if !PRIORITY_RANGE.contains(&input.priority) {
         return Err(ValidationError::new(
             "priority",
@@ -324,12 +331,10 @@ pub struct LeaseInput {
 }
 
 fn worker_id(value: &str) -> Result<String> {
-    if value.is_empty() || value.len() > 128 {
-        return Err(ValidationError::new(
-            "worker_id",
-            "must be 1..=128 characters",
-        ));
+    if value.is_empty() {
+        return Err(ValidationError::new("worker_id", "must not be empty"));
     }
+    text("worker_id", value, 128)?;
     Ok(value.to_owned())
 }
 
@@ -395,12 +400,10 @@ pub fn lease(input: LeaseInput, limits: &Limits) -> Result<LeaseSpec> {
 }
 
 fn lease_token(value: &str) -> Result<String> {
-    if value.is_empty() || value.len() > 128 {
-        return Err(ValidationError::new(
-            "lease_token",
-            "must be 1..=128 characters",
-        ));
+    if value.is_empty() {
+        return Err(ValidationError::new("lease_token", "must not be empty"));
     }
+    text("lease_token", value, 128)?;
     Ok(value.to_owned())
 }
 
@@ -414,27 +417,26 @@ pub struct HeartbeatInput {
     pub message: String,
 }
 
-/// Validates a `Heartbeat` call. Without `extend_by` the lease is extended by
-/// the server's default lease.
+/// Validates a `Heartbeat` call. Without `extend_by` the lease is renewed
+/// by the length it was taken with.
 pub fn heartbeat(input: HeartbeatInput, limits: &Limits) -> Result<HeartbeatSpec> {
     let job_id = job_id("job_id", &input.job_id)?;
     let lease_token = lease_token(&input.lease_token)?;
-    let extend_by = lease_duration("extend_by", input.extend_by, limits)?;
+    let extend_by = input
+        .extend_by
+        .map(|d| lease_duration("extend_by", Some(d), limits))
+        .transpose()?;
     if let Some(p) = input.progress
         && !(0.0..=1.0).contains(&p)
     {
         return Err(ValidationError::new("progress", "must be between 0 and 1"));
     }
-    if input.message.len() > 1024 {
-        return Err(ValidationError::new(
-            "message",
-            "must be at most 1024 characters",
-        ));
-    }
+    text("message", &input.message, 1024)?;
     Ok(HeartbeatSpec {
         job_id,
         lease_token,
         extend_by,
+        unrecorded_lease: limits.default_lease,
         progress: input.progress,
         message: (!input.message.is_empty()).then_some(input.message),
     })
@@ -485,15 +487,7 @@ pub fn complete(
             retry_after,
         }) => {
             let class = name("failure.error_class", &error_class, &['/'])?;
-            if message.contains('\0') {
-                return Err(ValidationError::new("failure.message", NUL_REASON));
-            }
-            if message.len() > 16 * 1024 {
-                return Err(ValidationError::new(
-                    "failure.message",
-                    "must be at most 16384 characters",
-                ));
-            }
+            text("failure.message", &message, 16 * 1024)?;
             if retry_after.is_some_and(|d| d > Duration::from_secs(7 * 24 * 3600)) {
                 return Err(ValidationError::new(
                     "failure.retry_after",

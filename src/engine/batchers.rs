@@ -41,7 +41,7 @@ impl Batchers {
     /// `submit_in_flight` transactions at once, the lease and complete one
     /// `in_flight`.
     pub fn start(store: Arc<dyn Store>, submit_in_flight: usize, in_flight: usize) -> Self {
-        let parking = Arc::new(Parking::default());
+        let parking = Arc::new(Parking::new(Arc::clone(&store)));
         let submit = SubmitFlush {
             store: Arc::clone(&store),
             parking: Arc::clone(&parking),
@@ -60,13 +60,20 @@ impl Batchers {
     }
 
     /// Stores a batch of jobs in one transaction of its own, handing due
-    /// ones to idle `Lease` calls like a unary submit.
+    /// ones to idle `Lease` calls like a unary submit. It runs to its end
+    /// in a task of its own even if its caller goes away: once it has
+    /// committed, the jobs leased to parked calls must reach them.
     pub async fn submit_batch(
         &self,
         tenant: &str,
         jobs: Vec<NewJob>,
     ) -> StoreResult<Vec<StoreResult<Submitted>>> {
-        handoff::submit(&self.store, &self.parking, tenant, jobs).await
+        let store = Arc::clone(&self.store);
+        let parking = Arc::clone(&self.parking);
+        let tenant = tenant.to_owned();
+        tokio::spawn(async move { handoff::submit(&store, &parking, &tenant, jobs).await })
+            .await
+            .map_err(|err| StoreError::Internal(format!("the batch submit task failed: {err}")))?
     }
 
     /// Parks a `Lease` call that found nothing, so that submits can hand

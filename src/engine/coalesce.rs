@@ -30,7 +30,7 @@ use std::hash::Hash;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use tokio::sync::{Notify, Semaphore, mpsc, oneshot};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
 use crate::store::{StoreError, StoreResult};
 
@@ -190,12 +190,29 @@ async fn run<F: Flush>(
         carried = gathered.carried;
         let batch = gathered.batch;
         let flush = Arc::clone(&flush);
-        let ended = Arc::clone(&ended);
+        let ending = Ending {
+            slot: Some(slot),
+            ended: Arc::clone(&ended),
+        };
         tokio::spawn(async move {
             run_batch(&*flush, batch).await;
-            drop(slot);
-            ended.notify_one();
+            drop(ending);
         });
+    }
+}
+
+/// A running batch's slot: freed when the batch ends, even by a panic, and
+/// then the gatherer waiting for a running batch to end is woken (woken
+/// first, it would find the slot still taken and wait again).
+struct Ending {
+    slot: Option<OwnedSemaphorePermit>,
+    ended: Arc<Notify>,
+}
+
+impl Drop for Ending {
+    fn drop(&mut self) {
+        self.slot.take();
+        self.ended.notify_one();
     }
 }
 

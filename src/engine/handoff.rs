@@ -21,9 +21,10 @@ use crate::domain::{Handoff, HeartbeatSpec, Job, JobState, LeaseSpec, NewJob};
 use crate::store::{Store, StoreResult, Submitted};
 
 /// The idle `Lease` calls of this replica, oldest first.
-#[derive(Debug, Default)]
 pub struct Parking {
     inner: Mutex<Waiting>,
+    /// Ends the leases of jobs handed to a call that went away unread.
+    store: Arc<dyn Store>,
 }
 
 #[derive(Debug, Default)]
@@ -53,7 +54,6 @@ impl Waiter {
 }
 
 /// A parked call's side: registered until it leaves or is dropped.
-#[derive(Debug)]
 pub struct Parked {
     id: u64,
     parking: Arc<Parking>,
@@ -61,6 +61,15 @@ pub struct Parked {
 }
 
 impl Parking {
+    /// No calls parked yet; `store` ends the leases of jobs that reach a
+    /// call after it went away.
+    pub fn new(store: Arc<dyn Store>) -> Self {
+        Parking {
+            inner: Mutex::default(),
+            store,
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, Waiting> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -167,10 +176,21 @@ impl Parked {
 }
 
 impl Drop for Parked {
+    /// A call that goes away (its client cancelled it, or its deadline
+    /// passed) may have been handed jobs it never read: they are already
+    /// leased to it, so their leases are ended rather than sat out.
     fn drop(&mut self) {
-        let mut waiting = self.parking.lock();
-        if let Some(at) = waiting.calls.iter().position(|w| w.id == self.id) {
-            waiting.calls.remove(at);
+        {
+            let mut waiting = self.parking.lock();
+            if let Some(at) = waiting.calls.iter().position(|w| w.id == self.id) {
+                waiting.calls.remove(at);
+            }
+        }
+        // Closed first: a submit sending now either fails (and ends the
+        // leases itself) or has sent what is read here.
+        self.jobs.close();
+        if let Ok(unread) = self.jobs.try_recv() {
+            end_leases(&self.parking.store, unread);
         }
     }
 }
@@ -224,7 +244,8 @@ pub fn end_leases(store: &Arc<dyn Store>, jobs: Vec<Job>) {
             let end_now = HeartbeatSpec {
                 job_id: job.id,
                 lease_token,
-                extend_by: Duration::ZERO,
+                extend_by: Some(Duration::ZERO),
+                unrecorded_lease: Duration::ZERO,
                 progress: None,
                 message: None,
             };
@@ -276,6 +297,20 @@ mod tests {
         }
     }
 
+    /// An empty parking over a fresh SQLite store (kept while the
+    /// directory lives).
+    async fn parking() -> (tempfile::TempDir, Arc<Parking>) {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let url = format!("sqlite://{}", dir.path().join("handoff.db").display());
+        let store = crate::store::open(
+            &crate::config::Settings::new(url),
+            Arc::new(crate::engine::notifier::Notifier::new()),
+        )
+        .await
+        .expect("store");
+        (dir, Arc::new(Parking::new(store)))
+    }
+
     /// Which worker each job was reserved for.
     fn workers(reservation: &Reservation) -> Vec<Option<&str>> {
         reservation
@@ -285,9 +320,9 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn jobs_go_in_priority_order_to_the_longest_waiting_calls() {
-        let parking = Arc::new(Parking::default());
+    #[tokio::test]
+    async fn jobs_go_in_priority_order_to_the_longest_waiting_calls() {
+        let (_db, parking) = parking().await;
         let _a = parking.park("t", &lease("a", &["q"], &[], 1));
         let _b = parking.park("t", &lease("b", &["q"], &[], 1));
         let jobs = [
@@ -300,9 +335,9 @@ mod tests {
         assert!(parking.lock().calls.is_empty(), "both calls taken");
     }
 
-    #[test]
-    fn calls_get_one_job_each_before_a_second() {
-        let parking = Arc::new(Parking::default());
+    #[tokio::test]
+    async fn calls_get_one_job_each_before_a_second() {
+        let (_db, parking) = parking().await;
         let _a = parking.park("t", &lease("a", &["q"], &[], 2));
         let _b = parking.park("t", &lease("b", &["q"], &[], 1));
         let jobs = [
@@ -314,9 +349,9 @@ mod tests {
         assert_eq!(workers(&reservation), [Some("a"), Some("b"), Some("a")]);
     }
 
-    #[test]
-    fn only_matching_due_jobs_of_the_same_tenant_are_reserved() {
-        let parking = Arc::new(Parking::default());
+    #[tokio::test]
+    async fn only_matching_due_jobs_of_the_same_tenant_are_reserved() {
+        let (_db, parking) = parking().await;
         let _a = parking.park("t", &lease("a", &["q"], &["wanted"], 5));
         let mut later = new_job("q", "wanted", 0);
         later.run_at = Some(Utc::now() + chrono::Duration::seconds(60));
@@ -331,9 +366,9 @@ mod tests {
         assert_eq!(workers(&reservation), [None, None, None, Some("a")]);
     }
 
-    #[test]
-    fn calls_across_tenants_are_not_parked() {
-        let parking = Arc::new(Parking::default());
+    #[tokio::test]
+    async fn calls_across_tenants_are_not_parked() {
+        let (_db, parking) = parking().await;
         let mut spec = lease("a", &["q"], &[], 1);
         spec.all_tenants = true;
         assert!(parking.park("t", &spec).is_none());
@@ -341,7 +376,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_call_that_leaves_or_is_dropped_is_not_reserved() {
-        let parking = Arc::new(Parking::default());
+        let (_db, parking) = parking().await;
         let a = parking
             .park("t", &lease("a", &["q"], &[], 1))
             .expect("parked");
@@ -354,8 +389,37 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn jobs_handed_to_a_call_that_went_away_unread_have_their_leases_ended() {
+        let (_db, parking) = parking().await;
+        let store = Arc::clone(&parking.store);
+        let parked = parking
+            .park("t", &lease("a", &["q"], &[], 1))
+            .expect("parked");
+        let results = submit(&store, &parking, "t", vec![new_job("q", "k", 0)])
+            .await
+            .expect("submit");
+        let Some(Ok(Submitted { job, .. })) = results.first() else {
+            panic!("stored: {results:?}");
+        };
+        assert_eq!(job.state, JobState::Running, "handed to the parked call");
+        drop(parked);
+        let ended = async {
+            loop {
+                let now = store.get("t", job.id).await.expect("job");
+                if now.lease_expires_at.is_some_and(|at| at <= Utc::now()) {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), ended)
+            .await
+            .expect("the lease is ended, not sat out");
+    }
+
+    #[tokio::test]
     async fn a_reserved_call_waits_for_the_submit_answer() {
-        let parking = Arc::new(Parking::default());
+        let (_db, parking) = parking().await;
         let parked = parking
             .park("t", &lease("a", &["q"], &[], 1))
             .expect("parked");

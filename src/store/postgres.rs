@@ -220,7 +220,7 @@ macro_rules! submit_statement {
                     idempotency_key, input_hash, labels, run_at, deadline, backoff_initial_ms,
                     backoff_max_ms, callback_url, max_cost_cents, created_at, updated_at, event_seq,
                     trace_parent, attempt, lease_owner, lease_token, lease_expires_at, started_at,
-                    leased_at)
+                    leased_at, lease_ms)
                 SELECT id, $1, queue, kind, CASE WHEN handed THEN 'running' ELSE 'queued' END,
                     payload, max_attempts, priority, idempotency_key, input_hash, labels,
                     COALESCE(run_at, now()), deadline, backoff_initial_ms, backoff_max_ms,
@@ -230,7 +230,8 @@ macro_rules! submit_statement {
                     CASE WHEN handed THEN gen_random_uuid()::text END,
                     CASE WHEN handed THEN LEAST(now() + lease_ms * interval '1 millisecond',
                                                 COALESCE(deadline, 'infinity'::timestamptz)) END,
-                    CASE WHEN handed THEN now() END, CASE WHEN handed THEN now() END
+                    CASE WHEN handed THEN now() END, CASE WHEN handed THEN now() END,
+                    CASE WHEN handed THEN lease_ms END
                 FROM placed ORDER BY ord
                 ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
                 RETURNING *", $kept, "
@@ -463,6 +464,7 @@ macro_rules! claim_statement {
                 UPDATE jobs j SET state = 'running', attempt = j.attempt + 1,
                     lease_owner = ($5::text[])[((SELECT of FROM slots) ->> j.id::text)::int],
                     lease_token = gen_random_uuid()::text,
+                    lease_ms = ($6::int8[])[((SELECT of FROM slots) ->> j.id::text)::int],
                     lease_expires_at = LEAST(
                         now() + ($6::int8[])[((SELECT of FROM slots) ->> j.id::text)::int]
                             * interval '1 millisecond',
@@ -2036,7 +2038,7 @@ impl Store for PgStore {
             "WITH upd AS (
                 UPDATE jobs SET
                     lease_expires_at = CASE WHEN cancel_requested THEN lease_expires_at
-                        ELSE LEAST(now() + $4 * interval '1 millisecond',
+                        ELSE LEAST(now() + COALESCE($4, lease_ms, $8) * interval '1 millisecond',
                                    COALESCE(deadline, 'infinity'::timestamptz)) END,
                     progress = COALESCE($5, progress),
                     updated_at = GREATEST(updated_at, now()),
@@ -2055,10 +2057,11 @@ impl Store for PgStore {
         .bind(spec.job_id)
         .bind(tenant)
         .bind(&spec.lease_token)
-        .bind(millis(spec.extend_by))
+        .bind(spec.extend_by.map(millis))
         .bind(spec.progress)
         .bind(spec.message.as_deref())
         .bind(with_event)
+        .bind(millis(spec.unrecorded_lease))
         .fetch_optional(&self.pool)
         .await;
         let row = match row {

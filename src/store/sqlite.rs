@@ -561,6 +561,7 @@ impl SqliteStore {
              UPDATE jobs SET state = 'running', attempt = attempt + 1, lease_owner = ?5,
                 lease_token = lower(hex(randomblob(16))),
                 lease_expires_at = min(?6 + ?7, coalesce(deadline, ?6 + ?7)),
+                lease_ms = ?7,
                 started_at = coalesce(started_at, ?6),
                 leased_at = ?6,
                 updated_at = max(updated_at, ?6),
@@ -636,7 +637,7 @@ async fn hand_off(tx: &mut Tx, id: Uuid, handoff: &Handoff, now: i64) -> StoreRe
     let row = sqlx::query(
         "UPDATE jobs SET state = 'running', attempt = attempt + 1, lease_owner = ?2,
             lease_token = lower(hex(randomblob(16))),
-            lease_expires_at = min(?3 + ?4, coalesce(deadline, ?3 + ?4)),
+            lease_expires_at = min(?3 + ?4, coalesce(deadline, ?3 + ?4)), lease_ms = ?4,
             started_at = ?3, leased_at = ?3, updated_at = max(updated_at, ?3), progress = 0,
             event_seq = event_seq + 1
          WHERE id = ?1 AND state = 'queued' AND run_at <= ?3
@@ -990,7 +991,8 @@ impl Store for SqliteStore {
         let row = sqlx::query(
             "UPDATE jobs SET
                 lease_expires_at = CASE WHEN cancel_requested THEN lease_expires_at
-                    ELSE min(?4 + ?5, coalesce(deadline, ?4 + ?5)) END,
+                    ELSE min(?4 + coalesce(?5, lease_ms, ?8),
+                             coalesce(deadline, ?4 + coalesce(?5, lease_ms, ?8))) END,
                 progress = coalesce(?6, progress),
                 updated_at = max(updated_at, ?4),
                 event_seq = event_seq + ?7
@@ -1001,9 +1003,10 @@ impl Store for SqliteStore {
         .bind(tenant)
         .bind(&spec.lease_token)
         .bind(now)
-        .bind(duration_ms(spec.extend_by))
+        .bind(spec.extend_by.map(duration_ms))
         .bind(spec.progress)
         .bind(i64::from(with_event))
+        .bind(duration_ms(spec.unrecorded_lease))
         .fetch_optional(&mut *tx)
         .await?;
         let Some(row) = row else {
