@@ -140,28 +140,53 @@ fn success(result: serde_json::Value) -> Outcome {
     }
 }
 
+/// What the server takes in a failure (`domain::validate`): one outside
+/// these limits would be refused, and its job would wait out its lease.
+const MAX_CLASS: usize = 128;
+const MAX_MESSAGE: usize = 16 * 1024;
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// A handler's failure as the server takes it. A class, message or delay
+/// outside the server's limits is a handler bug (or an upstream error
+/// copied in whole) that should not cost the job its outcome: the class's
+/// other characters become `_`, NUL (which PostgreSQL cannot store) is
+/// dropped from the message, and each is cut at its limit.
 fn failure(error: &JobError) -> Outcome {
-    let mut class = error.class.trim().to_owned();
+    let mut class: String = error
+        .class
+        .trim()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "_.:-/".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(MAX_CLASS)
+        .collect();
     if class.is_empty() {
         class = "error".into();
     }
-    // The server takes 1..=128 characters; a longer class is a handler bug
-    // that should not cost the job its outcome.
-    if let Some((cut, _)) = class.char_indices().nth(128) {
-        class.truncate(cut);
-    }
+    let message = error
+        .message
+        .chars()
+        .filter(|c| *c != '\0')
+        .take(MAX_MESSAGE)
+        .collect();
     Outcome::Failure(Failure {
         error_class: class,
-        message: error.message.clone(),
+        message,
         retryable: Some(error.retryable),
-        retry_after: error.retry_after.map(Into::into),
+        retry_after: error.retry_after.map(|d| d.min(MAX_RETRY_AFTER).into()),
     })
 }
 
 /// Sends the outcome; retries while the server is unavailable, for up to a
 /// lease (after that the lease is likely gone). A success the server refuses
 /// as invalid (a result over the size limit) is reported as a final failure
-/// of class `invalid_result`, so the job does not wait out its lease.
+/// of class `invalid_result`, and a refused failure as one of class
+/// `invalid_failure`, so the job does not wait out its lease.
 ///
 /// Unless the worker is draining, the first report is a `CompleteAndLease`
 /// that claims the slot's next job in the same transaction; that job is
@@ -178,6 +203,9 @@ async fn complete(
     let mut outcome = outcome;
     let mut chain = shared.may_chain();
     let mut next = None;
+    // Whether the outcome was already replaced after a refusal: the
+    // replacement is not replaced again.
+    let mut replaced = false;
     loop {
         let item = pb::CompleteRequest {
             job_id: leased.job_id.clone(),
@@ -217,12 +245,21 @@ async fn complete(
                 tracing::warn!(job_id = %leased.job_id, message = status.message(), "lease lost before the outcome was reported; it is dropped");
                 return next;
             }
-            Code::InvalidArgument if matches!(outcome, Outcome::Success(_)) => {
-                tracing::warn!(job_id = %leased.job_id, message = status.message(), "the server refused the result");
-                outcome = failure(&JobError::fatal(
-                    "invalid_result",
-                    format!("the server refused the result: {}", status.message()),
-                ));
+            Code::InvalidArgument if !replaced => {
+                tracing::warn!(job_id = %leased.job_id, message = status.message(), "the server refused the outcome");
+                replaced = true;
+                outcome = match outcome {
+                    Outcome::Success(_) => failure(&JobError::fatal(
+                        "invalid_result",
+                        format!("the server refused the result: {}", status.message()),
+                    )),
+                    Outcome::Failure(refused) => failure(&JobError {
+                        class: "invalid_failure".into(),
+                        message: format!("the server refused the failure: {}", status.message()),
+                        retryable: refused.retryable.unwrap_or(true),
+                        retry_after: None,
+                    }),
+                };
             }
             Code::Unavailable
             | Code::Unknown
@@ -266,4 +303,69 @@ async fn complete_and_lease(
         )),
     };
     Ok((refused, answer.jobs.into_iter().next()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sent(error: JobError) -> Failure {
+        match failure(&error) {
+            Outcome::Failure(f) => f,
+            Outcome::Success(_) => panic!("a failure"),
+        }
+    }
+
+    #[test]
+    fn failures_are_cut_to_what_the_server_takes() {
+        let f = sent(JobError::retryable(" rate limited (429) ", "x\0y"));
+        assert_eq!(f.error_class, "rate_limited__429_");
+        assert_eq!(f.message, "xy");
+        assert_eq!(sent(JobError::fatal("é/ok", "")).error_class, "_/ok");
+        assert_eq!(sent(JobError::fatal("  ", "")).error_class, "error");
+        let long = sent(JobError::fatal("c".repeat(300), "é".repeat(20_000)));
+        assert_eq!(long.error_class.len(), MAX_CLASS);
+        assert_eq!(long.message.chars().count(), MAX_MESSAGE);
+        let late = sent(
+            JobError::retryable("busy", "").with_retry_after(Duration::from_secs(30 * 24 * 3600)),
+        );
+        assert_eq!(late.retry_after, Some(MAX_RETRY_AFTER.into()));
+    }
+
+    #[test]
+    fn the_failures_sent_pass_the_servers_validation() {
+        use crate::domain::validate::{self, Limits, OutcomeInput};
+        let limits = Limits {
+            default_max_attempts: 3,
+            default_backoff: crate::domain::Backoff::try_new(
+                Duration::from_secs(1),
+                Duration::from_secs(60),
+            )
+            .expect("backoff"),
+            max_payload_bytes: 1024,
+            default_lease: Duration::from_secs(60),
+            max_lease: Duration::from_secs(3600),
+        };
+        let long = "x".repeat(500);
+        for class in ["rate limited", "a\u{0}b", "日本", long.as_str(), ""] {
+            let f = sent(JobError::fatal(class, format!("{class}\0{long}")));
+            let checked = validate::complete(
+                &uuid::Uuid::nil().to_string(),
+                "t",
+                Some(OutcomeInput::Failure {
+                    error_class: f.error_class.clone(),
+                    message: f.message,
+                    retryable: f.retryable,
+                    retry_after: None,
+                }),
+                0,
+                &limits,
+            );
+            assert!(
+                checked.is_ok(),
+                "{class:?} sent as {:?}: {checked:?}",
+                f.error_class
+            );
+        }
+    }
 }

@@ -178,7 +178,8 @@ impl WorkerBuilder {
         self
     }
 
-    /// How long one `Lease` call waits for work, 0..=60 s.
+    /// How long one `Lease` call waits for work, 0..=60 s. While idle the
+    /// worker calls at most once a second, whatever the wait.
     pub fn poll_wait(mut self, d: Duration) -> Self {
         self.poll_wait = d;
         self

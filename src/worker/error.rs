@@ -11,9 +11,10 @@ use std::time::Duration;
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
 #[error("{class}: {message}")]
 pub struct JobError {
-    /// Machine-readable kind of failure, 1..=128 characters.
+    /// Machine-readable kind of failure, 1..=128 characters of
+    /// `[A-Za-z0-9_.:/-]` (others are sent as `_`, and a longer class is cut).
     pub class: String,
-    /// Human-readable detail.
+    /// Human-readable detail, up to 16,384 characters (cut beyond that).
     pub message: String,
     /// Whether another attempt may succeed.
     pub retryable: bool,

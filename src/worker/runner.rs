@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tonic::Code;
 
@@ -20,6 +21,9 @@ use crate::pb;
 
 /// Extra time past the long-poll wait before a `Lease` call counts as lost.
 const LEASE_CALL_SLACK: Duration = Duration::from_secs(10);
+
+/// Least time between the starts of two `Lease` calls that came back empty.
+const MIN_IDLE_POLL: Duration = Duration::from_secs(1);
 
 /// A configured worker; [`Worker::run`] runs it until shutdown.
 pub struct Worker {
@@ -135,13 +139,25 @@ impl Worker {
                     Err(_) => break,
                 }
             }
+            let asked = Instant::now();
             let response = tokio::select! {
                 response = lease(&shared, permits.len()) => response,
                 // Dropping the call resets its stream; the server drops its
-                // waiting handler, which claims nothing while it waits.
+                // waiting handler and ends the lease of any job it had just
+                // been handed.
                 () = &mut shutdown => break Ok(()),
             };
             match response {
+                Ok(jobs) if jobs.is_empty() => {
+                    reconnect.reset();
+                    // A short `poll_wait` (0 is allowed) must not turn an idle
+                    // worker into a tight loop of calls.
+                    drop(permits);
+                    tokio::select! {
+                        () = tokio::time::sleep_until(asked + MIN_IDLE_POLL) => {}
+                        () = &mut shutdown => break Ok(()),
+                    }
+                }
                 Ok(jobs) => {
                     reconnect.reset();
                     for (leased, permit) in jobs.into_iter().zip(permits.drain(..)) {

@@ -10,6 +10,7 @@ use nix::unistd::Pid;
 use serde_json::Value;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, Command};
+use tokio_util::sync::CancellationToken;
 
 use crate::worker::{Job, JobContext, JobError};
 
@@ -17,6 +18,8 @@ use crate::worker::{Job, JobContext, JobError};
 pub const EXIT_RETRYABLE: i32 = 75;
 /// How much of stderr ends up in a failure's message.
 const STDERR_TAIL_BYTES: usize = 2048;
+/// How long the pipes are read after the command exited.
+const PIPE_GRACE: Duration = Duration::from_secs(1);
 
 /// The command every job runs, and its limits.
 #[derive(Clone, Debug)]
@@ -32,6 +35,7 @@ pub struct CommandSpec {
 }
 
 /// What the child wrote to stdout: the first `limit` bytes and the total.
+#[derive(Default)]
 struct Captured {
     bytes: Vec<u8>,
     total: usize,
@@ -78,14 +82,15 @@ impl CommandSpec {
             })
         });
         let limit = self.max_result_bytes;
+        let stop_reading = CancellationToken::new();
         let stdout = child
             .stdout
             .take()
-            .map(|out| tokio::spawn(capture(out, limit)));
+            .map(|out| tokio::spawn(capture(out, limit, stop_reading.clone())));
         let stderr = child
             .stderr
             .take()
-            .map(|err| tokio::spawn(tail(err, STDERR_TAIL_BYTES)));
+            .map(|err| tokio::spawn(tail(err, STDERR_TAIL_BYTES, stop_reading.clone())));
 
         let status = tokio::select! {
             status = child.wait() => status,
@@ -109,19 +114,28 @@ impl CommandSpec {
                 format!("cannot wait for the command: {e}"),
             )
         })?;
-        let captured = match stdout {
-            Some(task) => task.await.unwrap_or(Captured {
-                bytes: Vec::new(),
-                total: 0,
-            }),
-            None => Captured {
-                bytes: Vec::new(),
-                total: 0,
-            },
+        let reads = async {
+            let captured = match stdout {
+                Some(task) => task.await.unwrap_or_default(),
+                None => Captured::default(),
+            };
+            let stderr = match stderr {
+                Some(task) => task.await.unwrap_or_default(),
+                None => String::new(),
+            };
+            (captured, stderr)
         };
-        let stderr = match stderr {
-            Some(task) => task.await.unwrap_or_default(),
-            None => String::new(),
+        tokio::pin!(reads);
+        // A descendant that left the command's group (a daemon) can hold the
+        // pipes open long after the command exited, and with them the job:
+        // what was written by then is read, the rest is not waited for.
+        let (captured, stderr) = match tokio::time::timeout(PIPE_GRACE, &mut reads).await {
+            Ok(read) => read,
+            Err(_) => {
+                tracing::warn!(job_id = %job.id, "the command's pipes stayed open after it exited; reading stopped");
+                stop_reading.cancel();
+                reads.await
+            }
         };
         outcome(status, captured, &stderr, limit)
     }
@@ -151,12 +165,20 @@ impl CommandSpec {
 /// Reads everything, keeping the first `limit + 1` bytes (one more than
 /// allowed, to tell "exactly the limit" from "over it"); reading on past the
 /// limit keeps a chatty command from blocking on a full pipe.
-async fn capture(mut out: impl AsyncRead + Unpin, limit: usize) -> Captured {
+async fn capture(
+    mut out: impl AsyncRead + Unpin,
+    limit: usize,
+    stop: CancellationToken,
+) -> Captured {
     let mut bytes = Vec::new();
     let mut total = 0usize;
     let mut buf = vec![0u8; 64 * 1024];
     loop {
-        match out.read(&mut buf).await {
+        let read = tokio::select! {
+            read = out.read(&mut buf) => read,
+            () = stop.cancelled() => break,
+        };
+        match read {
             Ok(0) | Err(_) => break,
             Ok(n) => {
                 total = total.saturating_add(n);
@@ -169,11 +191,15 @@ async fn capture(mut out: impl AsyncRead + Unpin, limit: usize) -> Captured {
 }
 
 /// The last `keep` bytes of a stream, as text.
-async fn tail(mut err: impl AsyncRead + Unpin, keep: usize) -> String {
+async fn tail(mut err: impl AsyncRead + Unpin, keep: usize, stop: CancellationToken) -> String {
     let mut kept: Vec<u8> = Vec::new();
     let mut buf = vec![0u8; 16 * 1024];
     loop {
-        match err.read(&mut buf).await {
+        let read = tokio::select! {
+            read = err.read(&mut buf) => read,
+            () = stop.cancelled() => break,
+        };
+        match read {
             Ok(0) | Err(_) => break,
             Ok(n) => {
                 kept.extend_from_slice(&buf[..n]);
@@ -306,9 +332,23 @@ mod tests {
     #[tokio::test]
     async fn capture_keeps_one_byte_past_the_limit_and_counts_all() {
         let data = vec![1u8; 100_000];
-        let c = capture(&data[..], 10).await;
+        let c = capture(&data[..], 10, CancellationToken::new()).await;
         assert_eq!((c.bytes.len(), c.total), (11, 100_000));
-        let t = tail(&b"abcdefghij"[..], 4).await;
+        let t = tail(&b"abcdefghij"[..], 4, CancellationToken::new()).await;
         assert_eq!(t, "ghij");
+    }
+
+    #[tokio::test]
+    async fn reading_a_pipe_held_open_stops_with_what_came() {
+        let (mut held, read_end) = tokio::io::duplex(1024);
+        held.write_all(b"partial").await.expect("write");
+        let stop = CancellationToken::new();
+        let reading = tokio::spawn(capture(read_end, 100, stop.clone()));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!reading.is_finished(), "the writer is still open");
+        stop.cancel();
+        let c = reading.await.expect("joined");
+        assert_eq!(c.bytes, b"partial");
+        drop(held);
     }
 }
