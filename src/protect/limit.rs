@@ -1,8 +1,11 @@
 //! Bounds on calls in time and number: a per-call timeout that gives a
 //! long-polling `Lease` its longest wait on top, and a limit on the calls
-//! served at once. Streams (`WatchJob`, health `Watch`) are not cut and do
-//! not hold a slot while they stream: their handlers return the stream at
-//! once and the bounds cover only that.
+//! served at once. Long-polls take no slot: an idle worker waits in one
+//! for up to a minute, and a fleet of idle workers would otherwise hold
+//! every slot while submits queued behind them (their claims are bounded
+//! by the coalescer instead). Streams (`WatchJob`, health `Watch`) are not
+//! cut and do not hold a slot while they stream: their handlers return the
+//! stream at once and the bounds cover only that.
 //!
 //! The slot is taken inside the call's future, under its timeout, so a call
 //! waiting for a slot times out like any other (tower's
@@ -29,9 +32,13 @@ const LONG_POLLS: &[&str] = &[
     "/intray.v1.WorkerService/CompleteAndLease",
 ];
 
+fn is_long_poll(path: &str) -> bool {
+    LONG_POLLS.contains(&path)
+}
+
 /// The limit for a method: `base`, plus [`MAX_WAIT`] for long-polls.
 pub fn limit_for(path: &str, base: Duration) -> Duration {
-    if LONG_POLLS.contains(&path) {
+    if is_long_poll(path) {
         base + MAX_WAIT
     } else {
         base
@@ -102,15 +109,18 @@ where
 
     fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
         let limit = limit_for(req.uri().path(), self.base);
+        let slots = (!is_long_poll(req.uri().path())).then(|| Arc::clone(&self.slots));
         // tonic's handlers do their work when polled, so holding the
         // future until a slot is free is what limits the work.
         let call = self.inner.call(req);
-        let slots = Arc::clone(&self.slots);
         Box::pin(async move {
             let bounded = async move {
                 // The semaphore is never closed, so this cannot fail; were
                 // it closed, serving without a slot beats refusing.
-                let _slot = slots.acquire_owned().await.ok();
+                let _slot = match slots {
+                    Some(slots) => slots.acquire_owned().await.ok(),
+                    None => None,
+                };
                 call.await
             };
             match tokio::time::timeout(limit, bounded).await {
@@ -135,5 +145,38 @@ mod tests {
             );
         }
         assert_eq!(limit_for("/intray.v1.JobService/Submit", base), base);
+    }
+
+    #[tokio::test]
+    async fn a_waiting_long_poll_holds_no_slot() {
+        let (release, released) = tokio::sync::oneshot::channel::<()>();
+        let released = Arc::new(tokio::sync::Mutex::new(Some(released)));
+        let inner = tower::service_fn(move |req: Request<()>| {
+            let released = Arc::clone(&released);
+            async move {
+                if is_long_poll(req.uri().path()) {
+                    let wait = released.lock().await.take();
+                    if let Some(wait) = wait {
+                        let _ = wait.await;
+                    }
+                }
+                Ok::<_, std::convert::Infallible>(Response::new(()))
+            }
+        });
+        let layer = CallLimitLayer::new(Duration::from_secs(5), 1);
+        let mut service = layer.layer(inner);
+        let call = |path: &str| Request::builder().uri(path).body(()).expect("request");
+        let lease = tokio::spawn(service.call(call("/intray.v1.WorkerService/Lease")));
+        tokio::task::yield_now().await;
+        // The one slot is free for a submit while the lease waits.
+        let submit = service.call(call("/intray.v1.JobService/Submit"));
+        tokio::time::timeout(Duration::from_secs(1), submit)
+            .await
+            .expect("the submit is not held behind the long-poll")
+            .expect("answered");
+        assert_eq!(layer.slots().available_permits(), 1);
+        assert!(!lease.is_finished());
+        let _ = release.send(());
+        lease.await.expect("joined").expect("answered");
     }
 }
