@@ -830,6 +830,44 @@ async fn cancel_grace_revokes_lease(backend: Backend) {
         "never retried"
     );
     server.stop().await;
+
+    // Revoked at the end of the grace, not at the reaper's next pass.
+    let server = TestServer::start_with(backend, |s| {
+        s.cancel_grace = Duration::from_secs(1);
+        s.reaper_interval = Duration::from_secs(600);
+    })
+    .await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+    let job = submit(&mut jobs, "g", "k", json!({})).await;
+    let leased = lease_one(&mut workers, "deaf-worker", "g").await;
+    jobs.cancel(pb::CancelJobRequest {
+        id: job.id.clone(),
+        reason: "grace".into(),
+    })
+    .await
+    .expect("Cancel");
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    expect_code(
+        workers
+            .heartbeat(pb::HeartbeatRequest {
+                job_id: job.id.clone(),
+                lease_token: leased.lease_token.clone(),
+                ..Default::default()
+            })
+            .await,
+        Code::Aborted,
+        "Heartbeat past the grace, before the reaper",
+    );
+    expect_code(
+        workers.complete(success_req(&leased, json!(1))).await,
+        Code::Aborted,
+        "Complete past the grace, before the reaper",
+    );
+    let j = get(&mut jobs, &job.id).await;
+    assert_eq!(state(&j), St::Running, "the reaper ends it: {j:?}");
+    assert!(j.cancel_requested);
+    server.stop().await;
 }
 
 // ---------------------------------------------------------------------------

@@ -75,8 +75,10 @@ fn error_detail(error: &JobError) -> Value {
 /// A worker reports the outcome of the attempt it holds under `token`.
 ///
 /// Anything but the current token of a running job is `LeaseLost`, so a
-/// reclaimed job's late outcome is never written. A job whose cancel was
-/// requested ends `Cancelled` and its outcome is discarded.
+/// reclaimed job's late outcome is never written; so is a token whose
+/// cancel grace has passed (the lease is revoked then, SPEC section 2, even
+/// before the reaper has ended the job). A job whose cancel was requested
+/// ends `Cancelled` and its outcome is discarded.
 pub fn complete(
     job: &mut Job,
     token: &str,
@@ -85,7 +87,8 @@ pub fn complete(
     now: DateTime<Utc>,
     jitter: f64,
 ) -> Result<JobEvent, TransitionError> {
-    if job.state != JobState::Running || job.lease_token.as_deref() != Some(token) {
+    let revoked = job.cancel_requested && job.lease_expires_at.is_some_and(|at| at <= now);
+    if job.state != JobState::Running || job.lease_token.as_deref() != Some(token) || revoked {
         return Err(TransitionError::LeaseLost);
     }
     job.cost_cents = job.cost_cents.saturating_add(cost_cents);

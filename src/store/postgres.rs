@@ -2044,6 +2044,8 @@ impl Store for PgStore {
                     updated_at = GREATEST(updated_at, now()),
                     event_seq = event_seq + CASE WHEN $7 THEN 1 ELSE 0 END
                 WHERE id = $1 AND tenant = $2 AND lease_token = $3 AND state = 'running'
+                  -- Past its cancel grace the lease is revoked (SPEC 2).
+                  AND NOT (cancel_requested AND lease_expires_at <= now())
                 RETURNING id, event_seq, attempt, lease_owner, lease_expires_at, cancel_requested,
                     progress, updated_at, xmin::text AS row_version
              ), ev AS (

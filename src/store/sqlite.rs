@@ -997,6 +997,8 @@ impl Store for SqliteStore {
                 updated_at = max(updated_at, ?4),
                 event_seq = event_seq + ?7
              WHERE id = ?1 AND tenant = ?2 AND lease_token = ?3 AND state = 'running'
+               -- Past its cancel grace the lease is revoked (SPEC 2).
+               AND NOT (cancel_requested AND lease_expires_at <= ?4)
              RETURNING *",
         )
         .bind(spec.job_id.to_string())
