@@ -461,17 +461,20 @@ macro_rules! claim_statement {
                 -- probe (12 % of all CPU in burn-down); with the key
                 -- (tenant, id), the key arrays were planned on a young
                 -- table as a scan of the tenant's jobs filtered by id.
+                -- The lease's times are the statement's: a capped claim's
+                -- transaction began before it waited for its queue lock.
                 UPDATE jobs j SET state = 'running', attempt = j.attempt + 1,
                     lease_owner = ($5::text[])[((SELECT of FROM slots) ->> j.id::text)::int],
                     lease_token = gen_random_uuid()::text,
                     lease_ms = ($6::int8[])[((SELECT of FROM slots) ->> j.id::text)::int],
                     lease_expires_at = LEAST(
-                        now() + ($6::int8[])[((SELECT of FROM slots) ->> j.id::text)::int]
+                        statement_timestamp()
+                            + ($6::int8[])[((SELECT of FROM slots) ->> j.id::text)::int]
                             * interval '1 millisecond',
                         COALESCE(j.deadline, 'infinity'::timestamptz)),
-                    started_at = COALESCE(j.started_at, now()),
-                    leased_at = now(),
-                    updated_at = GREATEST(j.updated_at, now()),
+                    started_at = COALESCE(j.started_at, statement_timestamp()),
+                    leased_at = statement_timestamp(),
+                    updated_at = GREATEST(j.updated_at, statement_timestamp()),
                     progress = 0,
                     event_seq = j.event_seq + 1
                 WHERE j.ctid = ANY(ARRAY(SELECT tid FROM picked))
@@ -2594,11 +2597,20 @@ mod tests {
             .execute(&mut holder)
             .await
             .expect("release the lock");
+        let released = Utc::now();
         let leased = tokio::time::timeout(Duration::from_secs(30), from_q)
             .await
             .expect("the claim from q goes on once the lock is free")
             .expect("lease from q");
-        assert_eq!(leased.concat().len(), 1);
+        let leased = leased.concat();
+        assert_eq!(leased.len(), 1);
+        // Leased when the claim ran, not when its transaction began (before
+        // its 300 ms wait for the lock), so the lease is as long as asked.
+        let at = leased[0].leased_at.expect("leased_at");
+        assert!(
+            at > released - chrono::Duration::milliseconds(100),
+            "leased at {at}, the lock was released at {released}"
+        );
         drop(store);
         scratch.drop().await;
     }
