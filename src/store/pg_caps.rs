@@ -12,6 +12,11 @@
 //! starts after the locks, so its snapshot holds every capped claim that
 //! held them before.
 //!
+//! The circuit breakers' counts need the same care: a batch that counts
+//! the first failure of a queue and kind finds no breaker row to lock, so
+//! two such batches would each write a count of one. Batches that count
+//! outcomes against breakers take a lock per tenant, queue and kind first.
+//!
 //! Two-key advisory locks do not share a key space with `pg_counts`'s
 //! one-key lock. A tenant and queue whose key equals another's only waits
 //! more.
@@ -42,13 +47,39 @@ pub fn begin_and_lock(only_tenant: Option<&str>, queues: &[String]) -> String {
     sql
 }
 
-/// FNV-1a (32 bits) of the tenant, a zero byte and the queue: the same in
-/// every replica and every build, unlike a hasher seeded per process.
+/// First key of a breaker's lock; the second is [`key`] of its tenant,
+/// queue and kind.
+pub const BREAKER: i32 = 1_769_238_132;
+
+/// The second keys of the breaker locks for `pairs` (queue, kind) of
+/// `tenant`, sorted and without repeats: taken in this order, concurrent
+/// batches cannot deadlock.
+pub fn breaker_keys<'a>(tenant: &str, pairs: impl Iterator<Item = (&'a str, &'a str)>) -> Vec<i32> {
+    let mut keys: Vec<i32> = pairs.map(|(q, k)| key(&[tenant, q, k])).collect();
+    keys.sort_unstable();
+    keys.dedup();
+    keys
+}
+
 fn queue_key(tenant: &str, queue: &str) -> i32 {
+    key(&[tenant, queue])
+}
+
+/// FNV-1a (32 bits) of the parts with a zero byte between them: the same
+/// in every replica and every build, unlike a hasher seeded per process.
+fn key(parts: &[&str]) -> i32 {
     const OFFSET: u32 = 2_166_136_261;
     const PRIME: u32 = 16_777_619;
-    let bytes = tenant.bytes().chain([0]).chain(queue.bytes());
-    let hash = bytes.fold(OFFSET, |h, b| (h ^ u32::from(b)).wrapping_mul(PRIME));
+    let mut bytes = Vec::new();
+    for (i, part) in parts.iter().enumerate() {
+        if i > 0 {
+            bytes.push(0);
+        }
+        bytes.extend_from_slice(part.as_bytes());
+    }
+    let hash = bytes
+        .iter()
+        .fold(OFFSET, |h, b| (h ^ u32::from(*b)).wrapping_mul(PRIME));
     i32::from_ne_bytes(hash.to_ne_bytes())
 }
 
@@ -67,6 +98,15 @@ mod tests {
         assert_eq!(queue_key("acme", "llm"), 1_348_255_280);
         // The separator keeps ("ab", "c") apart from ("a", "bc").
         assert_ne!(queue_key("ab", "c"), queue_key("a", "bc"));
+    }
+
+    #[test]
+    fn breaker_keys_are_sorted_once_each_and_apart_from_queue_keys() {
+        let keys = breaker_keys("t", [("q", "b"), ("q", "a"), ("q", "b")].into_iter());
+        let mut expected = vec![key(&["t", "q", "a"]), key(&["t", "q", "b"])];
+        expected.sort_unstable();
+        assert_eq!(keys, expected);
+        assert_ne!(key(&["t", "q", ""]), queue_key("t", "q"));
     }
 
     #[test]

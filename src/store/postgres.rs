@@ -997,15 +997,23 @@ struct Breakers {
 }
 
 impl Breakers {
-    /// Locks the breaker rows of the jobs' queues and kinds (a superset is
-    /// harmless), in key order so that concurrent batches cannot deadlock.
-    async fn load(
+    /// Locks the breakers of the jobs' queues and kinds (a superset is
+    /// harmless): an advisory lock for each, which covers a breaker that
+    /// has no row yet (see `pg_caps`), then the rows, each in key order so
+    /// that concurrent batches cannot deadlock.
+    async fn load<'a>(
         conn: &mut PgConnection,
         tenant: &str,
-        jobs: impl Iterator<Item = &Job>,
+        jobs: impl Iterator<Item = &'a Job>,
     ) -> StoreResult<Breakers> {
         let (queues, kinds): (Vec<&str>, Vec<&str>) =
             jobs.map(|j| (j.queue.as_str(), j.kind.as_str())).unzip();
+        let keys = pg_caps::breaker_keys(tenant, queues.iter().copied().zip(kinds.iter().copied()));
+        sqlx::query("SELECT pg_advisory_xact_lock($1, k) FROM unnest($2::int4[]) AS k")
+            .bind(pg_caps::BREAKER)
+            .bind(&keys)
+            .execute(&mut *conn)
+            .await?;
         let rows = sqlx::query(
             "SELECT queue, kind, failures, max_retry_after_ms, open_until, probe_job FROM breakers
              WHERE tenant = $1 AND queue = ANY($2) AND kind = ANY($3)
@@ -1068,12 +1076,11 @@ impl Breakers {
     }
 
     /// Writes the breakers the batch changed (rare: failures, and the first
-    /// success after them).
+    /// success after them), in key order.
     async fn write(&self, conn: &mut PgConnection, tenant: &str) -> StoreResult<()> {
-        for ((queue, kind), (breaker, changed)) in &self.rows {
-            if !changed {
-                continue;
-            }
+        let mut changed: Vec<_> = self.rows.iter().filter(|(_, (_, c))| *c).collect();
+        changed.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        for ((queue, kind), (breaker, _)) in changed {
             match breaker {
                 None => {
                     sqlx::query(
@@ -2612,6 +2619,64 @@ mod tests {
             "leased at {at}, the lock was released at {released}"
         );
         drop(store);
+        scratch.drop().await;
+    }
+
+    /// Two replicas that each count the first failure of a queue and kind
+    /// at the same time: both count, though neither finds a breaker row to
+    /// lock (without the advisory lock, each wrote a count of one).
+    #[tokio::test]
+    async fn first_failures_on_two_replicas_both_count() {
+        let scratch = Scratch::new("intray_breaker_race").await;
+        let settings = Settings::new(&scratch.url);
+        let open = || PgStore::open(&settings, Arc::new(Notifier::new()));
+        let (a, b) = (
+            open().await.expect("replica a"),
+            open().await.expect("replica b"),
+        );
+        let tenant = "default";
+        let failure = || Outcome::Failure {
+            error: crate::domain::JobError {
+                class: "rate_limited".into(),
+                message: "429".into(),
+            },
+            retryable: true,
+            retry_after: None,
+        };
+        for round in 0..20 {
+            a.submit(tenant, vec![new_job(), new_job()])
+                .await
+                .expect("submit")
+                .into_iter()
+                .collect::<StoreResult<Vec<_>>>()
+                .expect("stored");
+            let leased = a
+                .lease(tenant, &[lease_spec("w", 2)])
+                .await
+                .expect("lease")
+                .concat();
+            assert_eq!(leased.len(), 2, "round {round}");
+            let (ended_a, ended_b) = tokio::join!(
+                a.complete(tenant, vec![outcome_for(&leased[0], failure())]),
+                b.complete(tenant, vec![outcome_for(&leased[1], failure())]),
+            );
+            for ended in [ended_a, ended_b] {
+                assert!(ended.expect("complete")[0].is_ok(), "round {round}");
+            }
+            let mut db = PgConnection::connect(&scratch.url).await.expect("connect");
+            let failures: i32 = sqlx::query_scalar(
+                "SELECT failures FROM breakers WHERE queue = 'q' AND kind = 'k'",
+            )
+            .fetch_one(&mut db)
+            .await
+            .expect("the breaker row");
+            assert_eq!(failures, 2, "round {round}: both failures counted");
+            sqlx::query("DELETE FROM breakers")
+                .execute(&mut db)
+                .await
+                .expect("reset");
+        }
+        drop((a, b));
         scratch.drop().await;
     }
 
