@@ -33,7 +33,16 @@ pub struct Notifier {
     /// every waiting worker of that queue may want to try its claim.
     queues: broadcast::Sender<Arc<str>>,
     /// One entry per watched job, shared by its watchers.
-    jobs: Mutex<HashMap<Uuid, Arc<Watched>>>,
+    jobs: Mutex<HashMap<Uuid, Entry>>,
+}
+
+/// A watched job and how many watchers it has: counted under the map's
+/// lock, so that two watchers leaving at once cannot both see the other
+/// and leave the entry behind.
+#[derive(Debug)]
+struct Entry {
+    watched: Arc<Watched>,
+    watchers: usize,
 }
 
 /// What the watchers of one job share.
@@ -85,10 +94,8 @@ impl Notifier {
     /// Wakes the watchers of a job that changed in a way only the database
     /// knows (another replica's commit, or an event not kept here).
     pub fn job_changed(&self, id: Uuid) {
-        // Notified under the lock: a clone taken out of it would make a
-        // concurrent drop believe another watcher is left.
-        if let Some(watched) = self.lock_jobs().get(&id) {
-            watched.unkept_change();
+        if let Some(entry) = self.lock_jobs().get(&id) {
+            entry.watched.unkept_change();
         }
     }
 
@@ -101,7 +108,7 @@ impl Notifier {
             return;
         }
         for event in events {
-            if let Some(watched) = jobs.get(&event.job_id) {
+            if let Some(Entry { watched, .. }) = jobs.get(&event.job_id) {
                 let mut recent = lock(&watched.recent);
                 if recent.back().is_some_and(|e| e.sequence >= event.sequence) {
                     // Out of order (two transactions of one job committing
@@ -122,14 +129,22 @@ impl Notifier {
     /// Wakes every watcher to read (used when a notification may have been
     /// lost).
     pub fn all_jobs_changed(&self) {
-        for watched in self.lock_jobs().values() {
-            watched.unkept_change();
+        for entry in self.lock_jobs().values() {
+            entry.watched.unkept_change();
         }
     }
 
     /// Registers interest in a job until the returned guard is dropped.
     pub fn watch_job(self: &Arc<Self>, id: Uuid) -> JobWatch {
-        let watched = self.lock_jobs().entry(id).or_default().clone();
+        let watched = {
+            let mut jobs = self.lock_jobs();
+            let entry = jobs.entry(id).or_insert_with(|| Entry {
+                watched: Arc::default(),
+                watchers: 0,
+            });
+            entry.watchers += 1;
+            Arc::clone(&entry.watched)
+        };
         JobWatch {
             notifier: Arc::clone(self),
             id,
@@ -137,7 +152,7 @@ impl Notifier {
         }
     }
 
-    fn lock_jobs(&self) -> std::sync::MutexGuard<'_, HashMap<Uuid, Arc<Watched>>> {
+    fn lock_jobs(&self) -> std::sync::MutexGuard<'_, HashMap<Uuid, Entry>> {
         // A panic while holding this lock cannot leave the map inconsistent
         // (each operation is a single insert, get or remove).
         lock(&self.jobs)
@@ -201,9 +216,11 @@ impl Watched {
 impl Drop for JobWatch {
     fn drop(&mut self) {
         let mut jobs = self.notifier.lock_jobs();
-        // Two references left (the map's and ours) means we are the last watcher.
-        if Arc::strong_count(&self.watched) <= 2 {
-            jobs.remove(&self.id);
+        if let Some(entry) = jobs.get_mut(&self.id) {
+            entry.watchers = entry.watchers.saturating_sub(1);
+            if entry.watchers == 0 {
+                jobs.remove(&self.id);
+            }
         }
     }
 }
@@ -233,6 +250,34 @@ mod tests {
         assert_eq!(notifier.lock_jobs().len(), 1, "still watched by the second");
         drop(second);
         assert!(notifier.lock_jobs().is_empty());
+    }
+
+    #[test]
+    fn watchers_leaving_at_once_leave_no_entry() {
+        let notifier = Arc::new(Notifier::new());
+        let ids: Arc<Vec<Uuid>> = Arc::new((0..50_000).map(|_| Uuid::now_v7()).collect());
+        let barrier = Arc::new(std::sync::Barrier::new(2));
+        let threads: Vec<_> = (0..2)
+            .map(|_| {
+                let (notifier, ids, barrier) = (
+                    Arc::clone(&notifier),
+                    Arc::clone(&ids),
+                    Arc::clone(&barrier),
+                );
+                std::thread::spawn(move || {
+                    for &id in ids.iter() {
+                        let watch = notifier.watch_job(id);
+                        barrier.wait();
+                        drop(watch);
+                    }
+                })
+            })
+            .collect();
+        for thread in threads {
+            thread.join().expect("joined");
+        }
+        let left = notifier.lock_jobs().len();
+        assert_eq!(left, 0, "entries of jobs nobody watches");
     }
 
     fn event(id: Uuid, sequence: u64) -> JobEvent {
