@@ -256,6 +256,36 @@ pub fn lease_expired(job: &mut Job, now: DateTime<Utc>) -> JobEvent {
     record(job, now, EventType::Failed, worker, Some(detail))
 }
 
+/// A job leased to a `Lease` call that went away before the job reached it
+/// (its client cancelled, or its deadline passed) goes back as if it had
+/// not been claimed: the attempt is given back and the job keeps its place
+/// in the queue, so a job nobody ran never fails for it. Only under the
+/// token it was leased with. A cancel or a deadline that came meanwhile
+/// ends it as an expired lease would.
+pub fn give_back(
+    job: &mut Job,
+    token: &str,
+    now: DateTime<Utc>,
+) -> Result<JobEvent, TransitionError> {
+    if job.state != JobState::Running || job.lease_token.as_deref() != Some(token) {
+        return Err(TransitionError::LeaseLost);
+    }
+    job.attempt = job.attempt.saturating_sub(1);
+    if job.cancel_requested || job.deadline.is_some_and(|d| d <= now) {
+        return Ok(lease_expired(job, now));
+    }
+    let worker = release(job);
+    job.state = JobState::Queued;
+    let detail = json!({"reason": "the Lease call went away before it got the job", "attempt_given_back": true});
+    Ok(record(
+        job,
+        now,
+        EventType::LeaseExpired,
+        worker,
+        Some(detail),
+    ))
+}
+
 /// The reaper found a queued job past its deadline.
 pub fn deadline_passed(job: &mut Job, now: DateTime<Utc>) -> JobEvent {
     finish(job, JobState::Expired, now);
@@ -317,6 +347,39 @@ mod tests {
         job.state = JobState::Succeeded;
         let err = complete(&mut job, "tok", failure(true, None), 1, t(1), 0.0).unwrap_err();
         assert_eq!(err, TransitionError::LeaseLost);
+    }
+
+    #[test]
+    fn a_job_given_back_is_queued_with_its_attempt_returned_and_its_place_kept() {
+        let mut job = running(1, 1);
+        let run_at = job.run_at;
+        let event = give_back(&mut job, "tok", t(5)).expect("its own token");
+        assert_eq!(
+            job.state,
+            JobState::Queued,
+            "a job nobody ran does not fail"
+        );
+        assert_eq!(job.attempt, 0);
+        assert_eq!(job.run_at, run_at);
+        assert_eq!(job.lease_token, None);
+        assert_eq!(event.kind, EventType::LeaseExpired);
+        assert_eq!(event.worker_id.as_deref(), Some("w1"));
+
+        let mut job = running(1, 3);
+        let before = job.clone();
+        assert_eq!(
+            give_back(&mut job, "other", t(5)).unwrap_err(),
+            TransitionError::LeaseLost
+        );
+        assert_eq!(job, before);
+
+        job.cancel_requested = true;
+        give_back(&mut job, "tok", t(5)).expect("its own token");
+        assert_eq!(
+            job.state,
+            JobState::Cancelled,
+            "a cancel that came meanwhile holds"
+        );
     }
 
     #[test]

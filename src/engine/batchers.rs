@@ -301,7 +301,7 @@ impl Flush for WorkFlush {
     /// their lease.
     fn orphaned(&self, answer: Done) {
         if let Done::Leased(Ok(jobs)) | Done::Both(_, Ok(jobs)) = answer {
-            handoff::end_leases(&self.0, jobs);
+            handoff::give_back(&self.0, jobs);
         }
     }
 }

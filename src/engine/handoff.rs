@@ -12,18 +12,17 @@
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
 
 use chrono::Utc;
 use tokio::sync::oneshot;
 
-use crate::domain::{Handoff, HeartbeatSpec, Job, JobState, LeaseSpec, NewJob};
+use crate::domain::{Handoff, Job, JobState, LeaseSpec, NewJob};
 use crate::store::{Store, StoreResult, Submitted};
 
 /// The idle `Lease` calls of this replica, oldest first.
 pub struct Parking {
     inner: Mutex<Waiting>,
-    /// Ends the leases of jobs handed to a call that went away unread.
+    /// Gives back jobs handed to a call that went away unread.
     store: Arc<dyn Store>,
 }
 
@@ -61,8 +60,8 @@ pub struct Parked {
 }
 
 impl Parking {
-    /// No calls parked yet; `store` ends the leases of jobs that reach a
-    /// call after it went away.
+    /// No calls parked yet; `store` gives back jobs that reach a call
+    /// after it went away.
     pub fn new(store: Arc<dyn Store>) -> Self {
         Parking {
             inner: Mutex::default(),
@@ -178,7 +177,8 @@ impl Parked {
 impl Drop for Parked {
     /// A call that goes away (its client cancelled it, or its deadline
     /// passed) may have been handed jobs it never read: they are already
-    /// leased to it, so their leases are ended rather than sat out.
+    /// leased to it, so they are given back rather than left to sit out
+    /// their lease.
     fn drop(&mut self) {
         {
             let mut waiting = self.parking.lock();
@@ -190,7 +190,7 @@ impl Drop for Parked {
         // leases itself) or has sent what is read here.
         self.jobs.close();
         if let Ok(unread) = self.jobs.try_recv() {
-            end_leases(&self.parking.store, unread);
+            give_back(&self.parking.store, unread);
         }
     }
 }
@@ -221,17 +221,17 @@ pub async fn submit(
             })
             .collect();
         if let Err(orphans) = waiter.jobs.send(handed) {
-            end_leases(store, orphans);
+            give_back(store, orphans);
         }
     }
     Ok(results)
 }
 
-/// Ends the leases of jobs leased to a `Lease` call that went away (a
-/// long-poll cut short by the worker's own deadline, say), which would
-/// otherwise sit out a whole lease: the reaper's next pass hands them on,
-/// as after a worker crash.
-pub fn end_leases(store: &Arc<dyn Store>, jobs: Vec<Job>) {
+/// Gives back jobs leased to a `Lease` call that went away (a long-poll
+/// cut short by the worker's own deadline, say), which would otherwise sit
+/// out a whole lease: they go back to the queue with their attempt
+/// returned, in a task of its own, since the caller may be a drop.
+pub fn give_back(store: &Arc<dyn Store>, jobs: Vec<Job>) {
     if jobs.is_empty() {
         return;
     }
@@ -241,16 +241,8 @@ pub fn end_leases(store: &Arc<dyn Store>, jobs: Vec<Job>) {
             let Some(lease_token) = job.lease_token else {
                 continue;
             };
-            let end_now = HeartbeatSpec {
-                job_id: job.id,
-                lease_token,
-                extend_by: Some(Duration::ZERO),
-                unrecorded_lease: Duration::ZERO,
-                progress: None,
-                message: None,
-            };
-            if let Err(err) = store.heartbeat(&job.tenant, &end_now).await {
-                tracing::warn!(error = %err, job_id = %job.id, "could not end the lease of a job whose Lease call went away");
+            if let Err(err) = store.give_back(&job.tenant, job.id, &lease_token).await {
+                tracing::warn!(error = %err, job_id = %job.id, "could not give back a job whose Lease call went away; it waits out its lease");
             }
         }
     });
@@ -259,6 +251,7 @@ pub fn end_leases(store: &Arc<dyn Store>, jobs: Vec<Job>) {
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
+    use std::time::Duration;
 
     use serde_json::json;
 
@@ -389,7 +382,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn jobs_handed_to_a_call_that_went_away_unread_have_their_leases_ended() {
+    async fn jobs_handed_to_a_call_that_went_away_unread_are_given_back() {
         let (_db, parking) = parking().await;
         let store = Arc::clone(&parking.store);
         let parked = parking
@@ -403,18 +396,19 @@ mod tests {
         };
         assert_eq!(job.state, JobState::Running, "handed to the parked call");
         drop(parked);
-        let ended = async {
+        let given_back = async {
             loop {
                 let now = store.get("t", job.id).await.expect("job");
-                if now.lease_expires_at.is_some_and(|at| at <= Utc::now()) {
-                    return;
+                if now.state == JobState::Queued {
+                    return now;
                 }
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         };
-        tokio::time::timeout(Duration::from_secs(10), ended)
+        let now = tokio::time::timeout(Duration::from_secs(10), given_back)
             .await
-            .expect("the lease is ended, not sat out");
+            .expect("the job is given back, not left to sit out its lease");
+        assert_eq!(now.attempt, 0, "with its attempt");
     }
 
     #[tokio::test]

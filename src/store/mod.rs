@@ -237,6 +237,10 @@ pub trait Store: Send + Sync + 'static {
         grace: Duration,
     ) -> StoreResult<Job>;
 
+    /// Puts a job leased under `lease_token` to a call that went away back
+    /// in the queue, its attempt given back ([`crate::domain::transition::give_back`]).
+    async fn give_back(&self, tenant: &str, id: Uuid, lease_token: &str) -> StoreResult<Job>;
+
     /// Events with a sequence above `after`, in order, at most `limit`.
     async fn events_after(
         &self,

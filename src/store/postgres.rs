@@ -1765,6 +1765,14 @@ impl Store for PgStore {
         .await
     }
 
+    async fn give_back(&self, tenant: &str, id: Uuid, lease_token: &str) -> StoreResult<Job> {
+        self.leased.forget(tenant, id);
+        self.transition(tenant, id, |job, now| {
+            transition::give_back(job, lease_token, now).map(Some)
+        })
+        .await
+    }
+
     #[tracing::instrument(name = "store.events_after", skip_all, fields(job_id = %id, after))]
     async fn events_after(
         &self,
@@ -2677,6 +2685,50 @@ mod tests {
                 .expect("reset");
         }
         drop((a, b));
+        scratch.drop().await;
+    }
+
+    /// A job given back returns to the queue with its attempt, once, and
+    /// only under its own token.
+    #[tokio::test]
+    async fn a_job_given_back_is_queued_with_its_attempt_returned() {
+        let scratch = Scratch::new("intray_give_back").await;
+        let store = PgStore::open(&Settings::new(&scratch.url), Arc::new(Notifier::new()))
+            .await
+            .expect("open the store");
+        let mut job = new_job();
+        job.max_attempts = 1;
+        store.submit("default", vec![job]).await.expect("submit");
+        let leased = store
+            .lease("default", &[lease_spec("w", 1)])
+            .await
+            .expect("lease")
+            .concat();
+        let leased = leased.first().expect("leased");
+        let token = leased.lease_token.clone().expect("token");
+        assert!(matches!(
+            store.give_back("default", leased.id, "not-the-token").await,
+            Err(StoreError::LeaseLost)
+        ));
+        let back = store
+            .give_back("default", leased.id, &token)
+            .await
+            .expect("given back");
+        assert_eq!((back.state, back.attempt), (JobState::Queued, 0));
+        assert!(matches!(
+            store.give_back("default", leased.id, &token).await,
+            Err(StoreError::LeaseLost)
+        ));
+        let again = store
+            .lease("default", &[lease_spec("w", 1)])
+            .await
+            .expect("lease")
+            .concat();
+        assert_eq!(
+            again.first().map(|j| (j.id, j.attempt)),
+            Some((leased.id, 1))
+        );
+        drop(store);
         scratch.drop().await;
     }
 

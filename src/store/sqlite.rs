@@ -721,6 +721,13 @@ impl Store for SqliteStore {
         .await
     }
 
+    async fn give_back(&self, tenant: &str, id: Uuid, lease_token: &str) -> StoreResult<Job> {
+        self.transition(tenant, id, |job, now| {
+            transition::give_back(job, lease_token, now).map(Some)
+        })
+        .await
+    }
+
     #[tracing::instrument(name = "store.events_after", skip_all, fields(job_id = %id, after))]
     async fn events_after(
         &self,

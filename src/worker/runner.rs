@@ -143,8 +143,8 @@ impl Worker {
             let response = tokio::select! {
                 response = lease(&shared, permits.len()) => response,
                 // Dropping the call resets its stream; the server drops its
-                // waiting handler and ends the lease of any job it had just
-                // been handed.
+                // waiting handler and gives back any job it had just been
+                // handed.
                 () = &mut shutdown => break Ok(()),
             };
             match response {
