@@ -152,9 +152,27 @@ async fn resume_wakes_a_waiting_worker(backend: Backend) {
 async fn queue_bound_refuses_with_retry_info(backend: Backend) {
     let server = TestServer::start_with(backend, |s| s.queue_bound = 3).await;
     let mut jobs = server.jobs_client("t");
-    for _ in 0..3 {
+    let mut keyed = submit_req("small", "k", json!({"n": 0}));
+    keyed.idempotency_key = "first".into();
+    let original = submit_with(&mut jobs, keyed.clone()).await;
+    for _ in 0..2 {
         submit(&mut jobs, "small", "k", json!({})).await;
     }
+    // A repeat of an accepted submit gets its job, full queue or not.
+    let repeat = jobs
+        .submit(keyed.clone())
+        .await
+        .expect("a repeat of an accepted submit")
+        .into_inner();
+    assert!(!repeat.created);
+    assert_eq!(repeat.job.map(|j| j.id), Some(original.id.clone()));
+    let mut other_input = keyed.clone();
+    other_input.payload = Some(json_to_value(json!({"n": 1})));
+    expect_code(
+        jobs.submit(other_input).await,
+        Code::AlreadyExists,
+        "the key with other input",
+    );
     let status = expect_code(
         jobs.submit(submit_req("small", "k", json!({}))).await,
         Code::ResourceExhausted,
@@ -171,6 +189,7 @@ async fn queue_bound_refuses_with_retry_info(backend: Backend) {
             jobs: vec![
                 submit_req("small", "k", json!({})),
                 submit_req("other", "k", json!({})),
+                keyed,
             ],
         })
         .await
@@ -186,6 +205,13 @@ async fn queue_bound_refuses_with_retry_info(backend: Backend) {
         batch.results[1].result,
         Some(pb::submit_batch_result::Result::Ok(_))
     ));
+    match &batch.results[2].result {
+        Some(pb::submit_batch_result::Result::Ok(repeat)) => {
+            assert!(!repeat.created);
+            assert_eq!(repeat.job.as_ref().map(|j| &j.id), Some(&original.id));
+        }
+        other => panic!("the repeat gets its job: {other:?}"),
+    }
     let stored = list_all(
         &mut jobs,
         pb::ListJobsRequest {

@@ -11,10 +11,10 @@ use uuid::Uuid;
 use super::Context;
 use super::backpressure::QueueDepths;
 use super::convert;
-use super::status::item_error;
+use super::status::{ApiError, item_error};
 use super::tenant::tenant_of;
 use crate::domain::validate::{self, MAX_BATCH, ValidationError};
-use crate::domain::{JobEvent, NewJob};
+use crate::domain::{Job, JobEvent, NewJob};
 use crate::engine::notifier::JobWatch;
 use crate::pb;
 use crate::pb::job_service_server::JobService;
@@ -63,6 +63,31 @@ impl JobsApi {
         ))
     }
 
+    /// Lets a job into its queue, under the queue's bound. A job refused for
+    /// a full queue that repeats an accepted one (its idempotency key, the
+    /// same input) gets the original instead, as it would with room left:
+    /// a producer retrying a submit whose answer it lost must not be told
+    /// to come back later for a job it already has.
+    async fn admit(&self, tenant: &str, new: &NewJob) -> Result<Option<Job>, ApiError> {
+        let full = match self
+            .depths
+            .admit(&*self.ctx.store, tenant, &new.queue)
+            .await
+        {
+            Ok(()) => return Ok(None),
+            Err(full @ ApiError::QueueFull { .. }) => full,
+            Err(other) => return Err(other),
+        };
+        let Some(key) = &new.idempotency_key else {
+            return Err(full);
+        };
+        match self.ctx.store.get_by_key(tenant, key).await? {
+            Some(original) if original.input_hash == new.input_hash => Ok(Some(original)),
+            Some(_) => Err(StoreError::IdempotencyConflict.into()),
+            None => Err(full),
+        }
+    }
+
     fn validate_submit(&self, request: pb::SubmitRequest) -> Result<NewJob, ValidationError> {
         let input = convert::submit_input(request)?;
         let keys = self.ctx.webhook_keys.current();
@@ -97,9 +122,12 @@ impl JobService for JobsApi {
         let trace_parent = call_trace(&request);
         let mut new = self.validate_submit(request.into_inner())?;
         new.trace_parent = trace_parent;
-        self.depths
-            .admit(&*self.ctx.store, &tenant, &new.queue)
-            .await?;
+        if let Some(original) = self.admit(&tenant, &new).await? {
+            return Ok(Response::new(pb::SubmitResponse {
+                job: Some(convert::job(&original)),
+                created: false,
+            }));
+        }
         let submitted = self.ctx.batchers.submit(&tenant, new).await??;
         if submitted.created {
             self.ctx.observer.submitted(&submitted.job);
@@ -136,17 +164,19 @@ impl JobService for JobsApi {
                     continue;
                 }
             };
-            match self
-                .depths
-                .admit(&*self.ctx.store, &tenant, &new.queue)
-                .await
-            {
-                Ok(()) => {
+            match self.admit(&tenant, &new).await {
+                Ok(None) => {
                     valid.push(new);
                     answers.push(None);
                 }
-                Err(full) => answers.push(Some(pb::submit_batch_result::Result::Error(
-                    item_error(full),
+                Ok(Some(original)) => answers.push(Some(pb::submit_batch_result::Result::Ok(
+                    pb::SubmitResponse {
+                        job: Some(convert::job(&original)),
+                        created: false,
+                    },
+                ))),
+                Err(refused) => answers.push(Some(pb::submit_batch_result::Result::Error(
+                    item_error(refused),
                 ))),
             }
         }

@@ -227,6 +227,9 @@ pub trait Store: Send + Sync + 'static {
     /// One job.
     async fn get(&self, tenant: &str, id: Uuid) -> StoreResult<Job>;
 
+    /// The job that holds idempotency key `key`, if any.
+    async fn get_by_key(&self, tenant: &str, key: &str) -> StoreResult<Option<Job>>;
+
     /// Cancels a queued job, or requests the cancel of a running one (its
     /// lease is cut to `grace`).
     async fn cancel(

@@ -1751,6 +1751,17 @@ impl Store for PgStore {
         job_from_row(&row)
     }
 
+    async fn get_by_key(&self, tenant: &str, key: &str) -> StoreResult<Option<Job>> {
+        sqlx::query("SELECT * FROM jobs WHERE tenant = $1 AND idempotency_key = $2")
+            .bind(tenant)
+            .bind(key)
+            .fetch_optional(&self.pool)
+            .await?
+            .as_ref()
+            .map(job_from_row)
+            .transpose()
+    }
+
     #[tracing::instrument(name = "store.cancel", skip_all, fields(job_id = %id))]
     async fn cancel(
         &self,

@@ -707,6 +707,18 @@ impl Store for SqliteStore {
         load(&mut conn, tenant, id).await
     }
 
+    async fn get_by_key(&self, tenant: &str, key: &str) -> StoreResult<Option<Job>> {
+        let mut conn = self.reader.acquire().await?;
+        sqlx::query("SELECT * FROM jobs WHERE tenant = ?1 AND idempotency_key = ?2")
+            .bind(tenant)
+            .bind(key)
+            .fetch_optional(&mut *conn)
+            .await?
+            .as_ref()
+            .map(job_from_row)
+            .transpose()
+    }
+
     #[tracing::instrument(name = "store.cancel", skip_all, fields(job_id = %id))]
     async fn cancel(
         &self,
