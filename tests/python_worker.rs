@@ -125,6 +125,7 @@ async fn python_worker_end_to_end(backend: Backend) {
         .args(["--addr", &server.addr.to_string(), "--tenant", TENANT])
         .args(["--queue", "py", "--worker-id", "py-worker"])
         .args(["--lease-seconds", "3", "--wait-seconds", "1"])
+        .args(["--grace-seconds", "1"])
         .arg("--stubs")
         .arg(&env.stubs)
         .stdin(Stdio::null())
@@ -213,12 +214,26 @@ async fn python_worker_end_to_end(backend: Backend) {
         "every outcome of the run went with CompleteAndLease"
     );
 
-    // SIGTERM: stops leasing and exits cleanly.
+    // A result over the server's size limit: refused in the chained call,
+    // then reported as a final failure rather than left to its lease.
+    let big = "x".repeat(1024 * 1024 - 20);
+    let too_big = submit(&mut jobs, "py", "echo", json!({ "doc": big })).await;
+    let done = wait_for_state(&mut jobs, &too_big.id, St::Failed, LONG).await;
+    assert_eq!(error_class(&done), "invalid_result");
+    assert_eq!(done.attempt, 1, "reported at once, not after its lease");
+
+    // SIGTERM: stops leasing; the job in hand is stopped after the 1 s
+    // grace and handed back to run again at once; the worker exits cleanly.
+    let long = submit(&mut jobs, "py", "sleep", json!({"seconds": 60})).await;
+    wait_for_state(&mut jobs, &long.id, St::Running, LONG).await;
     let pid = worker.id().expect("worker pid");
     kill(Pid::from_raw(pid as i32), Signal::SIGTERM).expect("signal the worker");
     let status = within(LONG, "the Python worker to exit", worker.wait())
         .await
         .expect("wait for the Python worker");
     assert!(status.success(), "the Python worker exited with {status}");
+    let back = get(&mut jobs, &long.id).await;
+    assert_eq!(state(&back), St::Queued, "handed back: {back:?}");
+    assert_eq!(error_class(&back), "worker_shutdown");
     server.stop().await;
 }

@@ -17,8 +17,9 @@ Kinds it handles:
   sleep  sleeps payload["seconds"], stopping early when the job is cancelled
 Any other kind fails for good with class "unknown_kind".
 
-SIGTERM or SIGINT stops leasing; the job in hand finishes first.
-The protocol is described in docs/workers.md.
+SIGTERM or SIGINT stops leasing; the job in hand may finish within
+--grace-seconds, then it is stopped and handed back (class worker_shutdown,
+retryable at once). The protocol is described in docs/workers.md.
 """
 
 import argparse
@@ -43,6 +44,8 @@ def parse_args():
     p.add_argument("--lease-seconds", type=int, default=60, help="lease length")
     p.add_argument("--wait-seconds", type=int, default=5,
                    help="long-poll per Lease call (also bounds how fast SIGTERM is noticed)")
+    p.add_argument("--grace-seconds", type=float, default=30,
+                   help="after SIGTERM, how long the job in hand may run before it is stopped")
     p.add_argument("--stubs", required=True, help="folder with the generated intray/v1 stubs")
     return p.parse_args()
 
@@ -62,6 +65,12 @@ FATAL = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED,
 LOST = {grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND}
 # The same, as the numeric codes of a batched item's error.
 LOST_CODES = {c.value[0] for c in LOST}
+# The call got no answer or a passing refusal: safe to send again.
+TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+             grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED,
+             grpc.StatusCode.RESOURCE_EXHAUSTED}
+# Set once the grace after SIGTERM has run out: the job in hand is stopped.
+HARD_STOP = threading.Event()
 
 
 def log(msg, **fields):
@@ -87,6 +96,19 @@ class JobError(Exception):
         self.retryable, self.retry_after = retryable, retry_after
 
 
+# The heartbeat of the job in hand, for the end of the shutdown grace.
+RUNNING = {"hb": None}
+
+
+def stop_now():
+    """The shutdown grace ran out: the job in hand is told to stop."""
+    HARD_STOP.set()
+    hb = RUNNING["hb"]
+    if hb is not None:
+        log("grace over; stopping the job in hand", job=hb.job.job_id)
+        hb.cancelled.set()
+
+
 class Heartbeat(threading.Thread):
     """Extends the lease every third of it while the job runs. Sets
     `cancelled` when the job is cancelled, and `lost` (and `cancelled`) when
@@ -102,6 +124,7 @@ class Heartbeat(threading.Thread):
         interval = ARGS.lease_seconds / 3
         held_until = time.monotonic() + ARGS.lease_seconds
         delay = interval
+        retry = 0.5
         while not self.done.wait(delay):
             req = pb.HeartbeatRequest(job_id=self.job.job_id, lease_token=self.job.lease_token)
             if self.progress is not None:
@@ -115,11 +138,12 @@ class Heartbeat(threading.Thread):
                     self.lost.set()
                     self.cancelled.set()
                     return
-                log("heartbeat failed; retrying", code=e.code().name)
-                delay = min(interval, 0.5)
+                delay = min(interval, random.uniform(retry / 2, retry))
+                retry = min(retry * 2, interval)
+                log("heartbeat failed; retrying", code=e.code().name, retry_in=f"{delay:.2f}s")
                 continue
             held_until = sent + ARGS.lease_seconds
-            delay = interval
+            delay, retry = interval, 0.5
             if resp.cancel_requested and not self.cancelled.is_set():
                 log("job cancelled", job=self.job.job_id)
                 self.cancelled.set()
@@ -175,22 +199,29 @@ class Reporter:
                 # Plain Complete from here, so that this slot never gets two jobs.
             else:
                 item = resp.results[0]
-                if item.HasField("error"):
-                    if item.error.code in LOST_CODES:
-                        log("lease lost before complete; outcome dropped", job=job.job_id)
-                    else:
-                        log("complete failed", job=job.job_id, code=item.error.code,
-                            detail=item.error.message)
                 # The jobs are ours whatever became of the outcome.
-                return list(resp.jobs)
+                jobs = list(resp.jobs)
+                if not item.HasField("error"):
+                    return jobs
+                if item.error.code in LOST_CODES:
+                    log("lease lost before complete; outcome dropped", job=job.job_id)
+                    return jobs
+                log("chained complete refused; retrying with Complete", job=job.job_id,
+                    code=item.error.code, detail=item.error.message)
+                complete(self.stub, job, request)
+                return jobs
         complete(self.stub, job, request)
         return []
 
 
 def complete(stub, job, request):
-    """Sends the outcome with Complete; retries while the server is unavailable."""
+    """Sends the outcome with Complete; retries what may pass (for up to a
+    lease, after which the lease is likely gone). An outcome the server
+    refuses as invalid (a result over its size limit) is sent once more as a
+    final failure, so that the job does not wait out its lease."""
     backoff = 0.1
     deadline = time.monotonic() + ARGS.lease_seconds
+    replaced = False
     while True:
         try:
             stub.Complete(request, timeout=10, metadata=metadata())
@@ -199,7 +230,17 @@ def complete(stub, job, request):
             if e.code() in LOST:
                 log("lease lost before complete; outcome dropped", job=job.job_id)
                 return
-            if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT and not replaced:
+                log("the server refused the outcome", job=job.job_id, detail=e.details())
+                refused = "result" if request.HasField("success") else "failure"
+                retryable = request.failure.retryable if refused == "failure" else False
+                request = pb.CompleteRequest(job_id=job.job_id, lease_token=job.lease_token)
+                request.failure.error_class = f"invalid_{refused}"
+                request.failure.message = f"the server refused the {refused}: {e.details()}"[:16384]
+                request.failure.retryable = retryable
+                replaced = True
+                continue
+            if e.code() not in TRANSIENT or time.monotonic() > deadline:
                 log("complete failed", job=job.job_id, code=e.code().name, detail=e.details())
                 return
             time.sleep(random.uniform(backoff / 2, backoff))
@@ -210,6 +251,9 @@ def run_job(stub, reporter, job):
     """Runs one job and reports it; returns the next jobs the report brought."""
     payload = json.loads(json_format.MessageToJson(job.payload)) if job.HasField("payload") else None
     hb = Heartbeat(stub, job)
+    RUNNING["hb"] = hb
+    if HARD_STOP.is_set():
+        hb.cancelled.set()
     hb.start()
     request = pb.CompleteRequest(job_id=job.job_id, lease_token=job.lease_token)
     try:
@@ -231,10 +275,19 @@ def run_job(stub, reporter, job):
         request.failure.message = repr(e)
         request.failure.retryable = True
     finally:
+        RUNNING["hb"] = None
         hb.done.set()
         hb.join()
     if hb.lost.is_set():
         return []  # someone else may own the job now: write nothing
+    if HARD_STOP.is_set():
+        # Stopped by the shutdown, not by its own failure: it runs again
+        # at once elsewhere, whatever the handler reported.
+        request = pb.CompleteRequest(job_id=job.job_id, lease_token=job.lease_token)
+        request.failure.error_class = "worker_shutdown"
+        request.failure.message = "the worker stopped before the job finished"
+        request.failure.retryable = True
+        request.failure.retry_after.CopyFrom(duration_pb2.Duration(seconds=0))
     return reporter.report(job, request)
 
 
@@ -248,8 +301,17 @@ def lease_request(wait_seconds):
 
 def main():
     stopping = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
-    signal.signal(signal.SIGINT, lambda *_: stopping.set())
+
+    def stop(*_):
+        if stopping.is_set():
+            return
+        stopping.set()
+        timer = threading.Timer(ARGS.grace_seconds, stop_now)
+        timer.daemon = True
+        timer.start()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     channel = grpc.insecure_channel(ARGS.addr)
     stub = rpc.WorkerServiceStub(channel)
     reporter = Reporter(stub, stopping)
