@@ -253,6 +253,18 @@ async fn ingress_verifies_dedupes_and_refuses(backend: Backend) {
             "malformed JSON",
             post_signed(addr, "payments", "msg_7", now, SOURCE_SECRET, b"{not json").await,
         ),
+        (
+            "an integer beyond 2^53",
+            post_signed(
+                addr,
+                "payments",
+                "msg_9",
+                now,
+                SOURCE_SECRET,
+                br#"{"id": 12345678901234567890}"#,
+            )
+            .await,
+        ),
     ];
     let codes: Vec<(&str, u16)> = refused
         .iter()
@@ -268,7 +280,13 @@ async fn ingress_verifies_dedupes_and_refuses(backend: Backend) {
             ("unknown source", 404),
             ("oversized body", 413),
             ("malformed JSON", 400),
+            ("an integer beyond 2^53", 400),
         ]
+    );
+    let (_, said) = &refused[refused.len() - 1].1;
+    assert!(
+        said["error"].as_str().is_some_and(|e| e.contains("2^53")),
+        "says what to change: {said}"
     );
     // A tampered body under a valid signature of another body.
     let headers = [

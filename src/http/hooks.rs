@@ -121,7 +121,21 @@ async fn handle(
     };
     let payload: pbjson_types::Value = match serde_json::from_slice(&body) {
         Ok(payload) => payload,
-        Err(_) => return refuse(StatusCode::BAD_REQUEST, "the body is not valid JSON"),
+        Err(err) => {
+            // A payload's numbers are doubles (google.protobuf.Value): an
+            // integer beyond 2^53 would not survive, and is refused, not
+            // rounded. Said apart from malformed JSON, so that the sender
+            // knows what to change.
+            let why = if serde_json::from_slice::<serde::de::IgnoredAny>(&body).is_ok() {
+                format!(
+                    "the body is JSON that a job payload cannot hold ({err}); \
+                     send integers beyond 2^53 as strings"
+                )
+            } else {
+                "the body is not valid JSON".to_owned()
+            };
+            return refuse(StatusCode::BAD_REQUEST, &why);
+        }
     };
     let mut request = Request::new(pb::SubmitRequest {
         queue: source.queue.clone(),
