@@ -183,7 +183,8 @@ fn failure(error: &JobError) -> Outcome {
 }
 
 /// Sends the outcome; retries while the server is unavailable, for up to a
-/// lease (after that the lease is likely gone). A success the server refuses
+/// lease (after that the lease is likely gone), or a third of one once a
+/// next job has come back, whose lease is running meanwhile. A success the server refuses
 /// as invalid (a result over the size limit) is reported as a final failure
 /// of class `invalid_result`, and a refused failure as one of class
 /// `invalid_failure`, so the job does not wait out its lease.
@@ -198,7 +199,7 @@ async fn complete(
     outcome: Outcome,
     cost_cents: i64,
 ) -> Option<pb::LeasedJob> {
-    let give_up = Instant::now() + shared.config.lease_duration;
+    let mut give_up = Instant::now() + shared.config.lease_duration;
     let mut retry = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
     let mut outcome = outcome;
     let mut chain = shared.may_chain();
@@ -218,6 +219,12 @@ async fn complete(
             complete_and_lease(shared, item)
                 .await
                 .map(|(refused, job)| {
+                    if job.is_some() {
+                        // The next job's lease runs from now, and its first
+                        // heartbeat comes a third of a lease after it starts:
+                        // retries of this outcome may hold it back a third.
+                        give_up = give_up.min(Instant::now() + shared.config.lease_duration / 3);
+                    }
                     next = job;
                     refused
                 })
