@@ -330,7 +330,8 @@ pub trait Store: Send + Sync + 'static {
     async fn queued_count(&self, tenant: &str, queue: &str) -> StoreResult<u64>;
 
     /// Every tenant's queues with their jobs by state and oldest runnable
-    /// age, for the metrics gauges (one grouped scan; run on a timer).
+    /// age, for the metrics gauges (run on a timer; PostgreSQL reads its kept
+    /// counts, SQLite scans).
     async fn queue_depths(&self) -> StoreResult<Vec<QueueDepth>>;
 
     /// Job rows this store has left out of claims and reaper passes since

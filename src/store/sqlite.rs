@@ -1,7 +1,8 @@
 //! The embedded SQLite store: one file, one process.
 //!
-//! All writes go through a single connection in `BEGIN IMMEDIATE`
-//! transactions, so claims never race; reads use a separate pool (WAL lets
+//! All writes go through a single connection, the job writes in `BEGIN
+//! IMMEDIATE` transactions (the webhook outbox's single statements
+//! autocommit), so claims never race; reads use a separate pool (WAL lets
 //! them run beside the writer). `synchronous = FULL` makes every commit
 //! durable before the caller hears about it. Timestamps are Unix milliseconds
 //! of this process's clock, which is the only clock that writes this file.
