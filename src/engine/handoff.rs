@@ -186,8 +186,8 @@ impl Drop for Parked {
                 waiting.calls.remove(at);
             }
         }
-        // Closed first: a submit sending now either fails (and ends the
-        // leases itself) or has sent what is read here.
+        // Closed first: a submit sending now either fails (and gives the
+        // jobs back itself) or has sent what is read here.
         self.jobs.close();
         if let Ok(unread) = self.jobs.try_recv() {
             give_back(&self.parking.store, unread);
