@@ -211,7 +211,10 @@ fn labels(field: &str, labels: &BTreeMap<String, String>) -> Result<()> {
                 "label keys are 1..=63 characters of a-z 0-9 _ . - /",
             ));
         }
-        text(&format!("{field}[{key}]"), value, 256)?;
+        text("", value, 256).map_err(|mut err| {
+            err.field = format!("{field}[{key}]");
+            err
+        })?;
     }
     Ok(())
 }
