@@ -27,6 +27,7 @@ common::backend_tests!(
     drain_finishes_running_jobs_and_leases_no_more,
     drain_hands_back_jobs_that_overrun_the_grace,
     refused_worker_stops_with_an_error,
+    an_idle_worker_without_a_wait_calls_once_a_second,
 );
 
 const TENANT: &str = "acme";
@@ -541,4 +542,25 @@ async fn unreachable_server_is_retried_until_shutdown() {
         .await
         .expect("clean stop");
     assert!(stopping.elapsed() < Duration::from_secs(1));
+}
+
+/// `poll_wait(0)` is allowed; an idle worker with it must not call `Lease`
+/// in a tight loop, but at most about once a second.
+async fn an_idle_worker_without_a_wait_calls_once_a_second(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let before = worker_calls_ok(server.http_addr, "Lease").await;
+    let worker = Running::start(
+        builder(&server)
+            .queue("idle")
+            .poll_wait(Duration::ZERO)
+            .handler("echo", echo),
+    );
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    worker.stop(LONG).await.expect("clean stop");
+    let calls = worker_calls_ok(server.http_addr, "Lease").await - before;
+    assert!(
+        (1.0..=4.0).contains(&calls),
+        "{calls} Lease calls in 2.5 s while idle"
+    );
+    server.stop().await;
 }

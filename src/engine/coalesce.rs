@@ -322,8 +322,8 @@ mod tests {
     use super::*;
 
     /// Records each flush, each orphaned answer and the most flushes seen
-    /// running at once; a call of `13` fails any flush it is in, and a
-    /// call of 1000 or more weighs 10.
+    /// running at once; a call of `13` fails any flush it is in, one of
+    /// `66` panics it, and a call of 1000 or more weighs 10.
     #[derive(Default)]
     struct Recorder {
         flushes: Mutex<Vec<Vec<u32>>>,
@@ -362,6 +362,7 @@ mod tests {
                 if calls.contains(&13) {
                     return Err(StoreError::Internal("refused".into()));
                 }
+                assert!(!calls.contains(&66), "a flush that panics");
                 Ok(calls.iter().map(|c| c * 10).collect())
             })
         }
@@ -489,6 +490,19 @@ mod tests {
         let flushes = recorder.flushes.lock().expect("lock").clone();
         assert_eq!(flushes, vec![vec![1], vec![2, 3]]);
         assert_eq!(recorder.most_running.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_call_waiting_for_a_transaction_that_panicked_still_runs() {
+        let recorder = Arc::new(Recorder::default());
+        let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), sizing(2, 100, 10)));
+        let panicking = spawn_call(&coalescer, 66);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        // Light: it waits for the running transaction to end.
+        let waiting = spawn_call(&coalescer, 2);
+        let answered = tokio::time::timeout(Duration::from_secs(2), answer(waiting)).await;
+        assert_eq!(answered.expect("woken when the panicked batch ended"), 20);
+        assert!(panicking.await.expect("joined").is_err());
     }
 
     #[tokio::test]
