@@ -433,14 +433,7 @@ async fn retries_exhausted_then_replay(backend: Backend) {
     assert_ne!(a3.lease_token, a2.lease_token);
     // A watch from the start passes the old FAILED event and stays open
     // while the replayed job runs.
-    let mut watch = jobs
-        .watch_job(pb::WatchJobRequest {
-            id: job.id.clone(),
-            after_sequence: 0,
-        })
-        .await
-        .expect("WatchJob")
-        .into_inner();
+    let mut watch = open_watch(&mut jobs, &job.id, 0).await;
     let mut seen = Vec::new();
     while seen.last() != Some(&Ev::Leased) || !seen.contains(&Ev::Replayed) {
         let event = next_event(&mut watch, LONG, "history of the replayed job").await;
@@ -784,46 +777,23 @@ async fn cancel_queued_and_running(backend: Backend) {
 }
 
 async fn cancel_grace_revokes_lease(backend: Backend) {
-    let server = TestServer::start_with(backend, |s| {
-        s.cancel_grace = Duration::from_secs(1);
-        s.reaper_interval = Duration::from_millis(200);
-    })
-    .await;
-    let mut jobs = server.jobs_client("t");
-    let mut workers = server.workers_client("t");
-
-    let job = submit(&mut jobs, "g", "k", json!({})).await;
-    let leased = lease_one(&mut workers, "deaf-worker", "g").await;
+    let (server, mut jobs, mut workers, job, leased) =
+        cancelled_while_leased(backend, Duration::from_millis(200)).await;
     let t0 = Instant::now();
-    jobs.cancel(pb::CancelJobRequest {
-        id: job.id.clone(),
-        reason: "grace".into(),
-    })
-    .await
-    .expect("Cancel");
     let j = wait_for_state(&mut jobs, &job.id, St::Cancelled, Duration::from_secs(6)).await;
     assert!(
-        t0.elapsed() >= Duration::from_millis(900),
+        t0.elapsed() >= Duration::from_millis(800),
         "cancelled only after the grace period, got {:?}",
         t0.elapsed()
     );
     assert!(j.finished_at.is_some());
-    expect_code(
-        workers
-            .heartbeat(pb::HeartbeatRequest {
-                job_id: job.id.clone(),
-                lease_token: leased.lease_token.clone(),
-                ..Default::default()
-            })
-            .await,
-        Code::Aborted,
-        "Heartbeat after the grace revoked the lease",
-    );
-    expect_code(
-        workers.complete(success_req(&leased, json!(1))).await,
-        Code::Aborted,
-        "Complete after the grace revoked the lease",
-    );
+    expect_revoked(
+        &mut workers,
+        &job,
+        &leased,
+        "after the grace and the reaper",
+    )
+    .await;
     assert_eq!(state(&get(&mut jobs, &job.id).await), St::Cancelled);
     assert!(
         lease_now(&mut workers, "w", "g").await.is_empty(),
@@ -832,9 +802,37 @@ async fn cancel_grace_revokes_lease(backend: Backend) {
     server.stop().await;
 
     // Revoked at the end of the grace, not at the reaper's next pass.
+    let (server, mut jobs, mut workers, job, leased) =
+        cancelled_while_leased(backend, Duration::from_secs(600)).await;
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    expect_revoked(
+        &mut workers,
+        &job,
+        &leased,
+        "past the grace, before the reaper",
+    )
+    .await;
+    let j = get(&mut jobs, &job.id).await;
+    assert_eq!(state(&j), St::Running, "the reaper ends it: {j:?}");
+    assert!(j.cancel_requested);
+    server.stop().await;
+}
+
+/// A job leased to a worker that never heartbeats, then cancelled, on a
+/// server with a 1 s cancel grace and a reaper every `reaper_interval`.
+async fn cancelled_while_leased(
+    backend: Backend,
+    reaper_interval: Duration,
+) -> (
+    TestServer,
+    JobsClient,
+    WorkersClient,
+    pb::Job,
+    pb::LeasedJob,
+) {
     let server = TestServer::start_with(backend, |s| {
         s.cancel_grace = Duration::from_secs(1);
-        s.reaper_interval = Duration::from_secs(600);
+        s.reaper_interval = reaper_interval;
     })
     .await;
     let mut jobs = server.jobs_client("t");
@@ -847,7 +845,16 @@ async fn cancel_grace_revokes_lease(backend: Backend) {
     })
     .await
     .expect("Cancel");
-    tokio::time::sleep(Duration::from_millis(1300)).await;
+    (server, jobs, workers, job, leased)
+}
+
+/// `Heartbeat` and `Complete` under a revoked lease's token get `ABORTED`.
+async fn expect_revoked(
+    workers: &mut WorkersClient,
+    job: &pb::Job,
+    leased: &pb::LeasedJob,
+    when: &str,
+) {
     expect_code(
         workers
             .heartbeat(pb::HeartbeatRequest {
@@ -857,17 +864,13 @@ async fn cancel_grace_revokes_lease(backend: Backend) {
             })
             .await,
         Code::Aborted,
-        "Heartbeat past the grace, before the reaper",
+        &format!("Heartbeat {when}"),
     );
     expect_code(
-        workers.complete(success_req(&leased, json!(1))).await,
+        workers.complete(success_req(leased, json!(1))).await,
         Code::Aborted,
-        "Complete past the grace, before the reaper",
+        &format!("Complete {when}"),
     );
-    let j = get(&mut jobs, &job.id).await;
-    assert_eq!(state(&j), St::Running, "the reaper ends it: {j:?}");
-    assert!(j.cancel_requested);
-    server.stop().await;
 }
 
 // ---------------------------------------------------------------------------
