@@ -1720,13 +1720,20 @@ impl Store for PgStore {
                 results.push(Ok(Submitted { job, created: true }));
                 continue;
             }
-            let holder = new
+            let Some(holder) = new
                 .idempotency_key
                 .as_deref()
                 .and_then(|key| holders.get(key))
-                .ok_or_else(|| {
-                    StoreError::Internal("submitted job neither stored nor found".into())
-                })?;
+            else {
+                // Its key's holder was deleted (retention) between the
+                // insert and this read. Only this item failed, and the
+                // others have committed: they are answered as usual.
+                results.push(Err(StoreError::Internal(
+                    "the job holding this idempotency key was deleted meanwhile; submit again"
+                        .into(),
+                )));
+                continue;
+            };
             results.push(if holder.input_hash == new.input_hash {
                 Ok(Submitted {
                     job: holder.clone(),
@@ -2738,6 +2745,45 @@ mod tests {
         assert_eq!(
             again.first().map(|j| (j.id, j.attempt)),
             Some((leased.id, 1))
+        );
+        drop(store);
+        scratch.drop().await;
+    }
+
+    /// An item whose idempotency key's holder is deleted between the insert
+    /// and the read of holders fails alone; the others are answered.
+    #[tokio::test]
+    async fn a_holder_deleted_meanwhile_fails_only_its_item() {
+        let scratch = Scratch::new("intray_holder_gone").await;
+        let store = PgStore::open(&Settings::new(&scratch.url), Arc::new(Notifier::new()))
+            .await
+            .expect("open the store");
+        let mut keyed = new_job();
+        keyed.idempotency_key = Some("doomed".into());
+        store
+            .submit("default", vec![keyed.clone()])
+            .await
+            .expect("submit the holder");
+        // Retention, played by a trigger: the holder goes within the
+        // insert that found its key taken.
+        let mut db = PgConnection::connect(&scratch.url).await.expect("connect");
+        sqlx::raw_sql(
+            "CREATE FUNCTION doom() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN DELETE FROM jobs WHERE idempotency_key = 'doomed'; RETURN NULL; END $$;
+             CREATE TRIGGER doom AFTER INSERT ON jobs
+                 FOR EACH STATEMENT EXECUTE FUNCTION doom();",
+        )
+        .execute(&mut db)
+        .await
+        .expect("the trigger");
+        let results = store
+            .submit("default", vec![new_job(), keyed])
+            .await
+            .expect("the call is answered");
+        assert!(matches!(&results[0], Ok(Submitted { created: true, .. })));
+        assert!(
+            matches!(&results[1], Err(StoreError::Internal(_))),
+            "{results:?}"
         );
         drop(store);
         scratch.drop().await;
