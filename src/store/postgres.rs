@@ -2711,9 +2711,7 @@ mod tests {
     #[tokio::test]
     async fn a_job_given_back_is_queued_with_its_attempt_returned() {
         let scratch = Scratch::new("intray_give_back").await;
-        let store = PgStore::open(&Settings::new(&scratch.url), Arc::new(Notifier::new()))
-            .await
-            .expect("open the store");
+        let store = scratch.store().await;
         let mut job = new_job();
         job.max_attempts = 1;
         store.submit("default", vec![job]).await.expect("submit");
@@ -2755,9 +2753,7 @@ mod tests {
     #[tokio::test]
     async fn a_holder_deleted_meanwhile_fails_only_its_item() {
         let scratch = Scratch::new("intray_holder_gone").await;
-        let store = PgStore::open(&Settings::new(&scratch.url), Arc::new(Notifier::new()))
-            .await
-            .expect("open the store");
+        let store = scratch.store().await;
         let mut keyed = new_job();
         keyed.idempotency_key = Some("doomed".into());
         store
@@ -2811,6 +2807,13 @@ mod tests {
             let url = format!("{base}/{name}");
             migrate(&url).await.expect("migrate");
             Scratch { admin, name, url }
+        }
+
+        /// A store on this database with the default settings.
+        async fn store(&self) -> PgStore {
+            PgStore::open(&Settings::new(&self.url), Arc::new(Notifier::new()))
+                .await
+                .expect("open the store")
         }
 
         async fn drop(mut self) {
