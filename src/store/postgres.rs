@@ -1566,7 +1566,17 @@ impl PgStore {
         let mut tx = self.pool.begin().await?;
         let (mut job, now) = load_for_update(&mut tx, tenant, id).await?;
         let mut changes = Changes::default();
-        if let Some(event) = apply(&mut job, now)? {
+        let decided = match apply(&mut job, now) {
+            Ok(decided) => decided,
+            Err(refused) => {
+                // A dropped transaction's ROLLBACK is only queued on its
+                // connection, and the row lock stays until the pool sends
+                // it: meanwhile claims skip the row as locked.
+                tx.rollback().await?;
+                return Err(refused.into());
+            }
+        };
+        if let Some(event) = decided {
             save(&mut tx, &[(&job, &event)]).await?;
             changes.job_event(&job, &event);
         }
@@ -2745,6 +2755,41 @@ mod tests {
             Some((leased.id, 1))
         );
         drop(store);
+        scratch.drop().await;
+    }
+
+    /// A refused transition has released its row lock when it returns: a
+    /// claim right after it must not skip the row as locked.
+    #[tokio::test]
+    async fn a_refused_transition_leaves_no_row_locked() {
+        let scratch = Scratch::new("intray_refused_unlocks").await;
+        let store = scratch.store().await;
+        let mut db = PgConnection::connect(&scratch.url).await.expect("connect");
+        store
+            .submit("default", vec![new_job()])
+            .await
+            .expect("submit");
+        let leased = store
+            .lease("default", &[lease_spec("w", 1)])
+            .await
+            .expect("lease")
+            .concat();
+        let id = leased.first().expect("leased").id;
+        for round in 0..50 {
+            assert!(matches!(
+                store.give_back("default", id, "not-the-token").await,
+                Err(StoreError::LeaseLost)
+            ));
+            let locked: Vec<Uuid> =
+                sqlx::query_scalar("SELECT id FROM jobs WHERE id = $1 FOR UPDATE SKIP LOCKED")
+                    .bind(id)
+                    .fetch_all(&mut db)
+                    .await
+                    .expect("probe the lock");
+            assert_eq!(locked, vec![id], "round {round}: the row is still locked");
+        }
+        drop(store);
+        drop(db);
         scratch.drop().await;
     }
 
