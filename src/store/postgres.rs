@@ -2793,6 +2793,83 @@ mod tests {
         scratch.drop().await;
     }
 
+    /// Two locked `Complete` batches naming the same jobs in opposite
+    /// orders lock them in one order, so neither deadlocks the other.
+    #[tokio::test]
+    async fn locked_completes_of_the_same_jobs_do_not_deadlock() {
+        let scratch = Scratch::new("intray_lock_order").await;
+        let store = Arc::new(scratch.store().await);
+        let mut db = PgConnection::connect(&scratch.url).await.expect("connect");
+        store
+            .submit("default", vec![new_job(), new_job()])
+            .await
+            .expect("submit");
+        let mut leased = store
+            .lease("default", &[lease_spec("w", 2)])
+            .await
+            .expect("lease")
+            .concat();
+        leased.sort_by_key(|job| job.id);
+        let success = || Outcome::Success {
+            result: serde_json::json!(1),
+        };
+        let forward = vec![
+            outcome_for(&leased[0], success()),
+            outcome_for(&leased[1], success()),
+        ];
+        let backward = vec![
+            outcome_for(&leased[1], success()),
+            outcome_for(&leased[0], success()),
+        ];
+        // The first job held, so that both batches queue behind it: one
+        // that locked the second job first would then hold it against the
+        // other.
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "BEGIN; SELECT 1 FROM jobs WHERE id = '{}' FOR UPDATE",
+            leased[0].id
+        )))
+        .execute(&mut db)
+        .await
+        .expect("hold the first job");
+        let mut waiters = Vec::new();
+        for (i, items) in [forward, backward].into_iter().enumerate() {
+            let store = Arc::clone(&store);
+            waiters.push(tokio::spawn(async move {
+                store.complete_locked("default", items).await
+            }));
+            let mut admin = PgConnection::connect(&scratch.url).await.expect("connect");
+            loop {
+                let waiting: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM pg_stat_activity
+                     WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                )
+                .fetch_one(&mut admin)
+                .await
+                .expect("count the waiters");
+                if waiting > i64::try_from(i).expect("small") {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+        sqlx::raw_sql("COMMIT")
+            .execute(&mut db)
+            .await
+            .expect("release the first job");
+        let mut succeeded = 0;
+        for waiter in waiters {
+            let results = waiter
+                .await
+                .expect("joined")
+                .expect("no batch fails as a whole");
+            succeeded += results.iter().filter(|r| r.is_ok()).count();
+        }
+        assert_eq!(succeeded, 2, "each job ended once");
+        drop(store);
+        drop(db);
+        scratch.drop().await;
+    }
+
     /// An item whose idempotency key's holder is deleted between the insert
     /// and the read of holders fails alone; the others are answered.
     #[tokio::test]
