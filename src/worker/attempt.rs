@@ -184,10 +184,10 @@ fn failure(error: &JobError) -> Outcome {
 
 /// Sends the outcome; retries while the server is unavailable, for up to a
 /// lease (after that the lease is likely gone), or a third of one once a
-/// next job has come back, whose lease is running meanwhile. A success the server refuses
-/// as invalid (a result over the size limit) is reported as a final failure
-/// of class `invalid_result`, and a refused failure as one of class
-/// `invalid_failure`, so the job does not wait out its lease.
+/// next job has come back, whose lease is running meanwhile. A success the
+/// server refuses as invalid (a result over the size limit) is reported as
+/// a final failure of class `invalid_result`, and a refused failure as one
+/// of class `invalid_failure`, so the job does not wait out its lease.
 ///
 /// Unless the worker is draining, the first report is a `CompleteAndLease`
 /// that claims the slot's next job in the same transaction; that job is
