@@ -48,6 +48,34 @@ def kind(docs, k):
     return [d for d in docs if d["kind"] == k]
 
 
+def seconds(duration):
+    """A duration as the server's flags take them ("35s", "2m")."""
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+    for unit in sorted(units, key=len, reverse=True):
+        if duration.endswith(unit):
+            return float(duration[: -len(unit)]) * units[unit]
+    return float(duration)
+
+
+def check_ports_and_grace(docs, vals, what):
+    [dep] = kind(docs, "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    [c] = pod["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    want = vals.get("ports", {"grpc": 50051, "http": 8080})
+    check(ports == want, f"{what}: container ports grpc and http")
+    check(env["INTRAY_GRPC_ADDR"] == f"0.0.0.0:{want['grpc']}"
+          and env["INTRAY_HTTP_ADDR"] == f"0.0.0.0:{want['http']}",
+          f"{what}: the server listens on the container ports")
+    grace = seconds(env.get("INTRAY_SHUTDOWN_GRACE") or "20s")
+    check(seconds(env["INTRAY_RPC_TIMEOUT"]) <= grace < pod["terminationGracePeriodSeconds"],
+          f"{what}: in-flight calls get the RPC timeout, and SIGKILL comes after the shutdown grace")
+    [svc] = kind(docs, "Service")
+    targets = {p["name"]: p["targetPort"] for p in svc["spec"]["ports"]}
+    check(targets == {"grpc": "grpc", "http": "http"}, f"{what}: the service exposes grpc and http")
+
+
 def rejected(overrides):
     with helm_python.Chart.load(CHART) as chart:
         try:
@@ -73,6 +101,7 @@ def main():
     [svc] = kind(docs, "Service")
     check(svc["spec"]["ports"][0]["appProtocol"] == "grpc", "service port is appProtocol grpc")
     check(not kind(docs, "Secret"), "no Secret without database URL or tokens")
+    check_ports_and_grace(docs, defaults, "defaults")
     check("authentication is OFF" in out.get("intray/templates/NOTES.txt", ""), "NOTES warn about open mode")
 
     prod = values("values-production.yaml")
@@ -87,6 +116,28 @@ def main():
     check(dep["spec"]["replicas"] == 3, "three replicas")
     check(len(kind(docs, "PodDisruptionBudget")) == 1, "PDB rendered")
     check("INTRAY_TLS_CERT" in env, "TLS configured")
+    check_ports_and_grace(docs, prod, "production")
+
+    moved = dict(defaults, ports={"grpc": 9000, "http": 9001})
+    docs, _ = render(moved)
+    check_ports_and_grace(docs, moved, "ports moved")
+    [dep] = kind(docs, "Deployment")
+    [c] = dep["spec"]["template"]["spec"]["containers"]
+    check(c["readinessProbe"]["grpc"]["port"] == 9000 and c["livenessProbe"]["grpc"]["port"] == 9000,
+          "the probes follow the gRPC port")
+
+    hooks = dict(defaults,
+                 config=dict(defaults["config"], INTRAY_WEBHOOKS_FILE="/etc/intray/webhooks/hooks.toml"),
+                 extraVolumes=[{"name": "webhooks", "secret": {"secretName": "intray-webhooks"}}],
+                 extraVolumeMounts=[{"name": "webhooks", "mountPath": "/etc/intray/webhooks",
+                                     "readOnly": True}])
+    docs, _ = render(hooks)
+    [dep] = kind(docs, "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    [c] = pod["containers"]
+    check(any(v["name"] == "webhooks" for v in pod["volumes"])
+          and any(m["name"] == "webhooks" for m in c["volumeMounts"]),
+          "extra volumes and mounts reach the pod (the webhooks file)")
 
     inline = dict(defaults, database={"url": "postgres://u:p@db/intray"},
                   auth={"tokens": "sha256:" + "a" * 64 + " acme producer\n"})
@@ -102,6 +153,8 @@ def main():
           "schema accepts 2 replicas on an existing secret")
     check(rejected(dict(defaults, config={"INTRAY_DATABASE_URL": "postgres://inline"})),
           "schema refuses the database URL inlined in config")
+    check(rejected(dict(defaults, config={"INTRAY_GRPC_ADDR": "0.0.0.0:1"})),
+          "schema refuses a listen address in config (the chart sets it from ports)")
 
     if failures:
         print(f"{len(failures)} chart check(s) failed")

@@ -97,6 +97,13 @@ async fn serve(args: ServeArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // Migrations first, then the ports: an open port (the chart's startup
+    // probe) then says the schema is current, and a long migration is not
+    // taken for a server that hangs. `run_with` finds nothing left to apply.
+    if let Err(err) = intray::store::migrate(&settings.database_url).await {
+        eprintln!("error: {err}");
+        return ExitCode::FAILURE;
+    }
     let listener = match tokio::net::TcpListener::bind(args.grpc_addr).await {
         Ok(listener) => listener,
         Err(err) => {

@@ -44,6 +44,10 @@ mod postgres_only {
     async fn clock_skew() {
         super::clock_skew().await
     }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn ports_open_after_migrations() {
+        super::ports_open_after_migrations().await
+    }
 }
 
 /// The longest any scenario may take before it fails as stuck.
@@ -659,4 +663,56 @@ async fn clock_skew() {
     );
     a.stop().await;
     skewed.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// Startup during a migration
+// ---------------------------------------------------------------------------
+
+/// A server opens its ports only once its migrations are applied. While
+/// another session holds the migrations table, the server's migrator
+/// waits and its gRPC port refuses connections; so a TCP startup probe
+/// (the Helm chart's) waits out a long migration, where an open port
+/// that did not answer would let the liveness probe restart the pod.
+async fn ports_open_after_migrations() {
+    use sqlx::Connection;
+    let db = Db::create(Backend::Postgres).await;
+    intray::store::migrate(&db.url).await.expect("migrate");
+    let mut holder = sqlx::PgConnection::connect(&db.url).await.expect("connect");
+    sqlx::raw_sql("BEGIN; LOCK TABLE _sqlx_migrations IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut holder)
+        .await
+        .expect("hold the migrations table");
+    let mut server = Server::launch(&db, "server", &[], &[]);
+    // Outside a transaction, so that each read of the activity is fresh.
+    let mut probe = sqlx::PgConnection::connect(&db.url).await.expect("connect");
+    let started = Instant::now();
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&mut probe)
+        .await
+        .expect("read the activity");
+        if waiting > 0 {
+            break;
+        }
+        assert!(!server.proc.exited(), "the server exited during startup");
+        assert!(
+            started.elapsed() < LIMIT,
+            "the server's migrator never waited for the migrations table"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        tokio::net::TcpStream::connect(server.addr).await.is_err(),
+        "the gRPC port is open while the migrations wait"
+    );
+    sqlx::raw_sql("COMMIT")
+        .execute(&mut holder)
+        .await
+        .expect("release the migrations table");
+    server.wait_answering().await;
+    server.stop().await;
 }

@@ -433,6 +433,13 @@ impl Server {
     /// Starts `intray serve` on `db` with short leases and a fast reaper
     /// (`extra` flags last, so they win) and waits until it answers.
     pub async fn start(db: &Db, name: &str, extra: &[&str], env: &[(&str, &str)]) -> Server {
+        let mut server = Server::launch(db, name, extra, env);
+        server.wait_answering().await;
+        server
+    }
+
+    /// Starts it as [`Server::start`] does, without waiting.
+    pub fn launch(db: &Db, name: &str, extra: &[&str], env: &[(&str, &str)]) -> Server {
         let addr: SocketAddr = format!("127.0.0.1:{}", free_port())
             .parse()
             .expect("address");
@@ -468,7 +475,7 @@ impl Server {
             proc: Proc::new(name, BIN, args, vars, log),
             addr,
         };
-        server.spawn_and_wait().await;
+        server.proc.spawn();
         server
     }
 
@@ -476,8 +483,9 @@ impl Server {
         format!("http://{}", self.addr)
     }
 
-    async fn spawn_and_wait(&mut self) {
-        self.proc.spawn();
+    /// Waits until the server answers a health check; panics if it exits
+    /// or takes longer than a loaded machine would.
+    pub async fn wait_answering(&mut self) {
         let started = Instant::now();
         loop {
             if self.proc.exited() {
@@ -513,7 +521,8 @@ impl Server {
 
     /// Starts it again on the same port and waits until it answers.
     pub async fn restart(&mut self) {
-        self.spawn_and_wait().await;
+        self.proc.spawn();
+        self.wait_answering().await;
     }
 
     pub async fn stop(mut self) {
