@@ -294,16 +294,23 @@ pub async fn run_with(
             None => router.serve_with_incoming_shutdown(incoming, signal).await,
         }
     };
-    // Once shutdown starts, in-flight calls get `shutdown_grace` to finish;
-    // then they are dropped (their open transactions roll back, so nothing
-    // half-done is kept) and the process may exit.
-    let grace_over = async {
-        stop.cancelled().await;
-        tokio::time::sleep(shutdown_grace).await;
-    };
+    // Once shutdown starts, in-flight calls on both ports get
+    // `shutdown_grace` to finish; then they are dropped (their open
+    // transactions roll back, so nothing half-done is kept) and the process
+    // may exit.
+    let grace_over = CancellationToken::new();
+    tokio::spawn({
+        let stop = stop.clone();
+        let grace_over = grace_over.clone();
+        async move {
+            stop.cancelled().await;
+            tokio::time::sleep(shutdown_grace).await;
+            grace_over.cancel();
+        }
+    });
     let served = tokio::select! {
         served = serve => served,
-        () = grace_over => {
+        () = grace_over.cancelled() => {
             tracing::warn!(grace = ?shutdown_grace, "calls still running after the shutdown grace were dropped");
             Ok(())
         }
@@ -320,10 +327,21 @@ pub async fn run_with(
         tracing::error!(error = %err, "metrics timer task failed");
     }
     let http_served = match http_task {
-        Some(task) => match task.await {
-            Ok(result) => result,
-            Err(err) => {
-                tracing::error!(error = %err, "http task failed");
+        // A request that never finishes (a client stalled mid-body) would
+        // otherwise hold the graceful shutdown of its connection forever.
+        // The aborted server leaves such a connection's task to the
+        // runtime's end.
+        Some(mut task) => tokio::select! {
+            joined = &mut task => match joined {
+                Ok(result) => result,
+                Err(err) => {
+                    tracing::error!(error = %err, "http task failed");
+                    Ok(())
+                }
+            },
+            () = grace_over.cancelled() => {
+                task.abort();
+                tracing::warn!(grace = ?shutdown_grace, "HTTP requests still running after the shutdown grace were dropped");
                 Ok(())
             }
         },

@@ -38,6 +38,7 @@ const ACME_WORKER: &str = "acme-worker-0123456789ab";
 const GLOBEX_PRODUCER: &str = "globex-producer-01234567";
 const GLOBEX_WORKER: &str = "globex-worker-0123456789";
 const ADMIN: &str = "ops-admin-0123456789abcd";
+const SCRAPER: &str = "ops-scraper-0123456789ab";
 
 fn token_file_text() -> String {
     // The admin is written hashed, the others plain: both forms work.
@@ -48,7 +49,8 @@ fn token_file_text() -> String {
          {ACME_WORKER} acme worker\n\
          {GLOBEX_PRODUCER} globex producer\n\
          {GLOBEX_WORKER} globex worker\n\
-         sha256:{admin_digest} ops admin\n"
+         sha256:{admin_digest} ops admin\n\
+         {SCRAPER} ops metrics\n"
     )
 }
 
@@ -148,6 +150,51 @@ async fn missing_or_unknown_token_is_unauthenticated(backend: Backend) {
         .lease(lease_req("w", "q", 1, Duration::ZERO))
         .await;
     expect_code(res, Code::Unauthenticated, "no token on WorkerService");
+
+    // Paths are the caller's to choose, and refused before any routing:
+    // they must not become metric labels, each kept for the process's life.
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct Empty {}
+    for i in 0..5 {
+        let mut grpc = tonic::client::Grpc::new(server.channel());
+        grpc.ready().await.expect("ready");
+        let path = format!("/nope.Svc/M{i}")
+            .parse::<tonic::codegen::http::uri::PathAndQuery>()
+            .expect("a path");
+        let res = grpc
+            .unary(
+                tonic::Request::new(Empty {}),
+                path,
+                tonic_prost::ProstCodec::<Empty, Empty>::default(),
+            )
+            .await;
+        expect_code(res, Code::Unauthenticated, "no token on a made-up method");
+    }
+    // The labels name every tenant: a scrape needs the metrics role.
+    let addr = server.http_addr;
+    let scrape_as = |token: Option<&str>| {
+        let auth = token
+            .map(|t| format!("Authorization: Bearer {t}\r\n"))
+            .unwrap_or_default();
+        let request =
+            format!("GET /metrics HTTP/1.1\r\nHost: intray\r\n{auth}Connection: close\r\n\r\n");
+        async move { http_exchange(addr, &request).await }
+    };
+    let (head, _) = scrape_as(None).await;
+    assert!(head.starts_with("HTTP/1.1 401"), "no token: {head}");
+    let (head, _) = scrape_as(Some(ACME_PRODUCER)).await;
+    assert!(head.starts_with("HTTP/1.1 403"), "a producer: {head}");
+    let (head, _) = scrape_as(Some(ADMIN)).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "an admin: {head}");
+    let (head, metrics) = scrape_as(Some(SCRAPER)).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "the metrics role: {head}");
+    assert!(!metrics.contains("nope.Svc"), "{metrics}");
+    assert_eq!(
+        parse(&metrics)
+            .get(r#"intray_rpc_responses_total{method="unknown",code="UNAUTHENTICATED"}"#),
+        Some(&5.0),
+        "{metrics}"
+    );
 
     // Kubernetes probes carry no token: health stays public.
     let mut health = tonic_health::pb::health_client::HealthClient::new(server.channel());

@@ -555,6 +555,21 @@ async fn stats_and_pause_resume(backend: Backend) {
     http.post("/api/v1/queues/bad%20name:pause", json!({}))
         .await
         .expect_error(400, "INVALID_ARGUMENT");
+    // A browser's post for another site's page changes nothing.
+    for site in ["cross-site", "same-site"] {
+        http.clone()
+            .with("sec-fetch-site", site)
+            .post("/api/v1/queues/s:pause", json!({}))
+            .await
+            .expect_error(403, "PERMISSION_DENIED");
+    }
+    assert!(queue_stats(&http.get("/api/v1/stats").await.json(), "s")["paused"].is_null());
+    let own = http
+        .clone()
+        .with("sec-fetch-site", "same-origin")
+        .post("/api/v1/queues/s:pause", json!({}))
+        .await;
+    assert_eq!(own.status, 200, "the dashboard's own requests pass");
     server.stop().await;
 }
 

@@ -11,7 +11,10 @@ use futures::StreamExt;
 use intray::pb;
 use serde_json::json;
 
-common::backend_tests!(shutdown_ends_long_polls_and_streams_promptly);
+common::backend_tests!(
+    shutdown_ends_long_polls_and_streams_promptly,
+    a_stalled_http_request_holds_shutdown_only_its_grace,
+);
 
 async fn shutdown_ends_long_polls_and_streams_promptly(backend: Backend) {
     let server = TestServer::start(backend).await;
@@ -73,4 +76,35 @@ async fn shutdown_ends_long_polls_and_streams_promptly(backend: Backend) {
         .expect("task");
     assert_eq!(more, 0, "no event was invented");
     assert!(ended_after < Duration::from_secs(10), "{ended_after:?}");
+}
+
+/// A client that stalls in the middle of an HTTP request body keeps its
+/// request in flight; shutdown waits for it only `shutdown_grace`, like
+/// for a gRPC call, rather than until the client goes away.
+async fn a_stalled_http_request_holds_shutdown_only_its_grace(backend: Backend) {
+    use tokio::io::AsyncWriteExt;
+    let server = TestServer::start_with(backend, |s| {
+        s.shutdown_grace = Duration::from_secs(1);
+    })
+    .await;
+    let mut stalled = tokio::net::TcpStream::connect(server.http_addr)
+        .await
+        .expect("connect to the HTTP port");
+    stalled
+        .write_all(
+            b"POST /api/v1/jobs HTTP/1.1\r\nHost: intray\r\nContent-Type: application/json\r\n\
+              x-intray-tenant: t\r\nContent-Length: 100\r\n\r\n{",
+        )
+        .await
+        .expect("send a partial request");
+    // Let the server start reading the body.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let stopping = Instant::now();
+    server.stop().await;
+    let stop_took = stopping.elapsed();
+    assert!(
+        stop_took < Duration::from_secs(10),
+        "stopped in {stop_took:?}"
+    );
+    drop(stalled);
 }

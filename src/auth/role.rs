@@ -11,11 +11,14 @@ pub enum Role {
     Worker,
     /// Everything, for any tenant (named by `x-intray-tenant`).
     Admin,
+    /// Scrapes `GET /metrics` (every tenant's counts) and nothing else: the
+    /// credential a Prometheus server holds.
+    Metrics,
 }
 
 impl Role {
     /// Every role, in the order they are printed.
-    pub const ALL: [Role; 3] = [Role::Producer, Role::Worker, Role::Admin];
+    pub const ALL: [Role; 4] = [Role::Producer, Role::Worker, Role::Admin, Role::Metrics];
 
     /// The name used in the token file.
     pub fn name(self) -> &'static str {
@@ -23,6 +26,7 @@ impl Role {
             Role::Producer => "producer",
             Role::Worker => "worker",
             Role::Admin => "admin",
+            Role::Metrics => "metrics",
         }
     }
 
@@ -36,6 +40,7 @@ impl Role {
             Role::Producer => 1,
             Role::Worker => 2,
             Role::Admin => 4,
+            Role::Metrics => 8,
         }
     }
 }
@@ -115,6 +120,9 @@ pub enum Access {
     Role(Role),
 }
 
+/// The path [`access_for`] knows the HTTP port's `GET /metrics` by.
+pub const METRICS_SCRAPE: &str = "GET /metrics";
+
 /// The table: gRPC method path -> what it needs. A method not listed here
 /// (a future RPC someone forgot to add) needs admin, so that forgetting
 /// fails closed.
@@ -142,6 +150,8 @@ pub fn access_for(path: &str) -> Access {
     ];
     if PRODUCER.contains(&path) {
         Access::Role(Role::Producer)
+    } else if path == METRICS_SCRAPE {
+        Access::Role(Role::Metrics)
     } else if WORKER.contains(&path) {
         Access::Role(Role::Worker)
     } else if PUBLIC_SERVICES.iter().any(|p| path.starts_with(p)) {
@@ -171,6 +181,10 @@ mod tests {
         }
         assert!(producer.allow(submit) && !producer.allow(lease) && !producer.allow(retry));
         assert!(worker.allow(lease) && !worker.allow(submit) && !worker.allow(retry));
+        let metrics: Roles = [Role::Metrics].into_iter().collect();
+        let scrape = access_for(METRICS_SCRAPE);
+        assert!(metrics.allow(scrape) && admin.allow(scrape) && !producer.allow(scrape));
+        assert!(!metrics.allow(submit) && !metrics.allow(lease) && !metrics.allow(retry));
         let chained = access_for("/intray.v1.WorkerService/CompleteAndLease");
         assert!(worker.allow(chained) && !producer.allow(chained));
         assert!(admin.allow(submit) && admin.allow(lease) && admin.allow(retry));

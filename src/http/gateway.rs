@@ -18,6 +18,7 @@ use tonic::{Code, Request, Response, Status};
 use crate::api::JobsApi;
 use crate::auth::TokenSource;
 use crate::auth::layer::authorize;
+use crate::auth::role::METRICS_SCRAPE;
 use crate::pb::job_service_server::JobService;
 use crate::protect::{ProtectError, RateLimiter};
 use crate::telemetry::rpc::{CallTrace, code_name};
@@ -91,6 +92,13 @@ impl Gateway {
             limits,
             metrics,
         }
+    }
+
+    /// Whether `headers` carry a token that may scrape `GET /metrics` (the
+    /// metrics or admin role; anyone in open mode).
+    pub fn may_scrape(&self, headers: &HeaderMap) -> Result<(), Status> {
+        authorize(&self.tokens, METRICS_SCRAPE, headers)?;
+        Ok(())
     }
 
     /// The request the service sees for `message` sent with `headers`, or

@@ -34,12 +34,16 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
-use axum::http::header;
-use axum::response::IntoResponse;
+use axum::extract::Request;
+use axum::http::{HeaderMap, Method, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use tonic::Status;
 
 use crate::telemetry::http::HttpTraceLayer;
 use crate::telemetry::{Metrics, Tracing};
+use error::HttpError;
 
 /// Content type of the Prometheus text format.
 const TEXT_FORMAT: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -47,13 +51,17 @@ const TEXT_FORMAT: &str = "text/plain; version=0.0.4; charset=utf-8";
 /// Every route of the port. `{id}:cancel` and `{queue}:pause` are custom
 /// methods on a resource: the router matches the whole segment and the
 /// handler splits off the verb. A scrape of `/metrics` only renders what is
-/// in memory (the database gauges are refreshed on a timer).
+/// in memory (the database gauges are refreshed on a timer); with a token
+/// file it needs a token of the metrics or admin role, since the labels
+/// name every tenant, queue and kind, and the port is reachable by webhook
+/// providers.
 pub fn router(
     gateway: Arc<Gateway>,
     ingress: Arc<Ingress>,
     metrics: Arc<Metrics>,
     tracing: Tracing,
 ) -> Router {
+    let scrape_gate = Arc::clone(&gateway);
     let api = Router::new()
         .route("/api/v1/jobs", post(jobs::submit).get(jobs::list))
         .route("/api/v1/jobs:retry", post(jobs::retry))
@@ -66,6 +74,7 @@ pub fn router(
         .route("/api/v1/openapi.json", get(openapi::serve))
         .route("/api/v1/{*rest}", axum::routing::any(jobs::no_route))
         .layer(DefaultBodyLimit::max(body::MAX_BODY_BYTES))
+        .layer(axum::middleware::from_fn(refuse_cross_site))
         .route_layer(HttpTraceLayer::new(tracing))
         .with_state(gateway);
     // The ingress reads its body itself, with its own limit, after the
@@ -76,9 +85,40 @@ pub fn router(
         .with_state(ingress);
     api.merge(hooks).merge(dashboard::router()).route(
         "/metrics",
-        get(move || {
+        get(move |headers: HeaderMap| {
             let metrics = Arc::clone(&metrics);
-            async move { ([(header::CONTENT_TYPE, TEXT_FORMAT)], metrics.render()).into_response() }
+            let gate = Arc::clone(&scrape_gate);
+            async move {
+                if let Err(status) = gate.may_scrape(&headers) {
+                    return HttpError::Rpc(status).into_response();
+                }
+                ([(header::CONTENT_TYPE, TEXT_FORMAT)], metrics.render()).into_response()
+            }
         }),
     )
+}
+
+/// Refuses a request to the JSON API that changes something and that a
+/// browser sent for another site's page. An open server lets anyone act,
+/// and a page the operator visits could otherwise post to
+/// `localhost:8080` (pause queues, replay the dead set): a form post or a
+/// `text/plain` fetch needs no preflight. Browsers say where a request
+/// comes from in `Sec-Fetch-Site`; the dashboard's own are `same-origin`,
+/// and API clients send none.
+async fn refuse_cross_site(request: Request, next: Next) -> Response {
+    let changes = !matches!(
+        *request.method(),
+        Method::GET | Method::HEAD | Method::OPTIONS
+    );
+    let from_elsewhere = request
+        .headers()
+        .get("sec-fetch-site")
+        .is_some_and(|site| !matches!(site.as_bytes(), b"same-origin" | b"none"));
+    if changes && from_elsewhere {
+        return HttpError::Rpc(Status::permission_denied(
+            "a browser's request from another site's page is refused (Sec-Fetch-Site)",
+        ))
+        .into_response();
+    }
+    next.run(request).await
 }

@@ -4,9 +4,10 @@
 //! It sits outside authentication and the call limits, so refused and timed
 //! out calls are counted and traced too.
 
+use std::collections::HashSet;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::task::{Context as TaskContext, Poll};
 use std::time::Instant;
 
@@ -15,6 +16,8 @@ use opentelemetry::propagation::{Extractor, TextMapPropagator};
 use opentelemetry::trace::{SpanKind, Status, TraceContextExt, Tracer as _};
 use opentelemetry::{Context, KeyValue};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
+use prost::Message as _;
+use prost_types::FileDescriptorSet;
 use tonic::Code;
 use tonic::codegen::http::{HeaderMap, Request, Response};
 use tower::{Layer, Service};
@@ -137,6 +140,52 @@ fn server_fault(code: Code) -> bool {
     )
 }
 
+/// The request paths (`/package.Service/Method`) of the methods this server
+/// serves. A path is the caller's to choose, even one refused before routing
+/// (by authentication), and every metric label is kept for the process's
+/// life: only these paths become labels and span names.
+static METHODS: LazyLock<HashSet<String>> = LazyLock::new(|| {
+    let mut methods: HashSet<String> = [
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+    ]
+    .into_iter()
+    .map(str::to_owned)
+    .collect();
+    for encoded in [
+        crate::pb::FILE_DESCRIPTOR_SET,
+        tonic_health::pb::FILE_DESCRIPTOR_SET,
+    ] {
+        // Both sets are compiled in; one that did not decode would only
+        // leave its methods labelled "unknown".
+        let Ok(set) = FileDescriptorSet::decode(encoded) else {
+            continue;
+        };
+        for file in &set.file {
+            for service in &file.service {
+                for method in &service.method {
+                    methods.insert(format!(
+                        "/{}.{}/{}",
+                        file.package(),
+                        service.name(),
+                        method.name()
+                    ));
+                }
+            }
+        }
+    }
+    methods
+});
+
+/// `path` if it is a method this server serves, else `"unknown"`.
+fn method_label(path: &str) -> &str {
+    if METHODS.contains(path) {
+        path
+    } else {
+        "unknown"
+    }
+}
+
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Observed<S>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
@@ -153,7 +202,7 @@ where
 
     fn call(&mut self, mut req: Request<ReqBody>) -> Self::Future {
         let started = Instant::now();
-        let path = req.uri().path().to_owned();
+        let path = method_label(req.uri().path()).to_owned();
         let cx = server_span(&self.tracing, req.headers(), || {
             let (service, method) = path
                 .trim_start_matches('/')
@@ -198,13 +247,7 @@ where
                     .map_or(Code::Ok, Code::from_i32),
                 Err(_) => Code::Unknown,
             };
-            // Unknown paths would make the label set unbounded.
-            let method = if code == Code::Unimplemented {
-                "unknown"
-            } else {
-                path.as_str()
-            };
-            metrics.rpc(method, &code_name(code), started.elapsed());
+            metrics.rpc(&path, &code_name(code), started.elapsed());
             if span_on {
                 let span = cx.span();
                 span.set_attribute(KeyValue::new("rpc.grpc.status_code", code as i64));
@@ -227,5 +270,25 @@ mod tests {
         assert_eq!(code_name(Code::Ok), "OK");
         assert_eq!(code_name(Code::InvalidArgument), "INVALID_ARGUMENT");
         assert_eq!(code_name(Code::ResourceExhausted), "RESOURCE_EXHAUSTED");
+    }
+
+    #[test]
+    fn only_served_methods_become_labels() {
+        for served in [
+            "/intray.v1.JobService/Submit",
+            "/intray.v1.WorkerService/CompleteAndLease",
+            "/grpc.health.v1.Health/Check",
+            "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+        ] {
+            assert_eq!(method_label(served), served);
+        }
+        for other in [
+            "/intray.v1.JobService/Nope",
+            "/nope.Svc/M1",
+            "/intray.v1.JobService/Submit/extra",
+            "",
+        ] {
+            assert_eq!(method_label(other), "unknown", "{other}");
+        }
     }
 }
