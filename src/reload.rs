@@ -32,7 +32,10 @@ fn fingerprint(paths: &[PathBuf]) -> Fingerprint {
 }
 
 /// Calls `on_change` whenever one of `paths` changes (checked every
-/// `interval`) or the process gets SIGHUP, until `stop` is cancelled.
+/// `interval`) or the process gets SIGHUP, until `stop` is cancelled; and
+/// once at the start, since the files were first read before the watch
+/// began (before the migrations, say), and a change in between (a token
+/// revoked during a rollout) would otherwise wait for the next one.
 pub async fn watch(
     what: &'static str,
     paths: Vec<PathBuf>,
@@ -41,6 +44,7 @@ pub async fn watch(
     on_change: impl Fn() + Send,
 ) {
     let mut last = fingerprint(&paths);
+    on_change();
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     #[cfg(unix)]
@@ -77,5 +81,47 @@ pub async fn watch(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex, PoisonError};
+
+    use super::*;
+
+    /// A file rewritten after it was first read and before its watch began
+    /// is read again, though nothing changes after the watch began.
+    #[tokio::test]
+    async fn a_change_before_the_watch_began_is_not_missed() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("tokens");
+        std::fs::write(&path, "old").expect("write");
+        let read = Arc::new(Mutex::new(std::fs::read_to_string(&path).expect("read")));
+        std::fs::write(&path, "new").expect("rewrite");
+        let stop = CancellationToken::new();
+        let watch = tokio::spawn(watch(
+            "test",
+            vec![path.clone()],
+            Duration::from_secs(3600),
+            stop.clone(),
+            {
+                let read = Arc::clone(&read);
+                move || {
+                    let text = std::fs::read_to_string(&path).unwrap_or_default();
+                    *read.lock().unwrap_or_else(PoisonError::into_inner) = text;
+                }
+            },
+        ));
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while read.lock().unwrap_or_else(PoisonError::into_inner).as_str() != "new" {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the change was missed"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        stop.cancel();
+        watch.await.expect("the watch ends");
     }
 }

@@ -166,6 +166,16 @@ fn webhook_settings(s: &mut Settings) {
             kind: "payment.event".into(),
         },
     );
+    // The same provider also posts every message to a second endpoint.
+    s.webhooks.keys.sources.insert(
+        "ledger".into(),
+        IngressSource {
+            secret: Keyring::parse(&[SOURCE_SECRET]).expect("secret"),
+            tenant: TENANT.into(),
+            queue: "ledger".into(),
+            kind: "payment.event".into(),
+        },
+    );
 }
 
 async fn hook_jobs(server: &TestServer) -> Vec<pb::Job> {
@@ -197,7 +207,7 @@ async fn ingress_verifies_dedupes_and_refuses(backend: Backend) {
     assert_eq!(jobs[0].id, job_id);
     assert_eq!(
         (jobs[0].kind.as_str(), jobs[0].idempotency_key.as_str()),
-        ("payment.event", "msg_1")
+        ("payment.event", "hook/payments/msg_1")
     );
     let payload = value_to_json(jobs[0].payload.as_ref().expect("payload"));
     assert_eq!(
@@ -214,6 +224,18 @@ async fn ingress_verifies_dedupes_and_refuses(backend: Backend) {
         "{answer}"
     );
     assert_eq!(answer["job_id"].as_str(), Some(job_id.as_str()));
+
+    // The same message to another source of the tenant is that source's
+    // own job, and its retry a repeat there.
+    for created in [true, false] {
+        let (status, answer) = post_signed(addr, "ledger", "msg_1", now, SOURCE_SECRET, body).await;
+        assert_eq!(
+            (status, answer["created"].as_bool()),
+            (200, Some(created)),
+            "{answer}"
+        );
+        assert_ne!(answer["job_id"].as_str(), Some(job_id.as_str()));
+    }
 
     let other_secret = "whsec_d3Jvbmcta2V5LXdyb25nLWtleS13cm9uZy1rZXkh";
     let refused: Vec<(&str, (u16, Value))> = vec![

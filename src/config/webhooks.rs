@@ -20,11 +20,10 @@ pub enum WebhooksFileError {
         path: String,
         source: std::io::Error,
     },
-    #[error("{path}: {source}")]
-    Json {
-        path: String,
-        source: serde_json::Error,
-    },
+    /// Not JSON, or not the file's shape; `message` is the parser's with
+    /// every quoted value left out ([`without_values`]).
+    #[error("{path}: {message}")]
+    Json { path: String, message: String },
     #[error("{path}: {what}: {source}")]
     Value {
         path: String,
@@ -80,9 +79,9 @@ impl WebhookKeys {
             path: shown.clone(),
             source,
         })?;
-        let file: File = serde_json::from_str(&text).map_err(|source| WebhooksFileError::Json {
+        let file: File = serde_json::from_str(&text).map_err(|err| WebhooksFileError::Json {
             path: shown.clone(),
-            source,
+            message: without_values(&err.to_string()),
         })?;
         let value = |what: &str| {
             let path = shown.clone();
@@ -215,9 +214,53 @@ fn default_tenant() -> String {
     "default".to_owned()
 }
 
+/// A parser's message without the values it quotes: the file holds
+/// secrets, and a secret in the wrong place (`invalid type: string
+/// "whsec_...", expected a map`) would reach the log. Field names, quoted
+/// in backticks, stay.
+fn without_values(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    let mut quoted = false;
+    for c in message.chars() {
+        if c == '"' {
+            if !quoted {
+                out.push_str("\"...\"");
+            }
+            quoted = !quoted;
+        } else if !quoted {
+            out.push(c);
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_misplaced_secret_is_not_echoed() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("webhooks.json");
+        std::fs::write(
+            &path,
+            r#"{"tenant_secrets": "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"}"#,
+        )
+        .expect("write");
+        let err = WebhookKeys::from_file(&path)
+            .expect_err("a string where a map belongs")
+            .to_string();
+        assert!(!err.contains("MfKQ9r8"), "{err}");
+        assert!(
+            err.contains("expected a map") && err.contains("line 1"),
+            "{err}"
+        );
+        std::fs::write(&path, r#"{"sources": {"x": {"queue": "q"}}}"#).expect("write");
+        let err = WebhookKeys::from_file(&path)
+            .expect_err("no secret")
+            .to_string();
+        assert!(err.contains("`secret`"), "field names stay: {err}");
+    }
 
     #[test]
     fn reads_a_file_and_refuses_bad_entries() {

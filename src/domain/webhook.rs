@@ -272,8 +272,11 @@ impl Target {
 
 /// Whether an address is on the public internet: not loopback, private,
 /// carrier-grade NAT, link-local, unique-local, unspecified, multicast,
-/// broadcast or documentation space. IPv4-mapped IPv6 addresses are judged
-/// as the IPv4 address they carry.
+/// broadcast, benchmarking, IETF protocol or documentation space. IPv6
+/// addresses that carry an IPv4 address (mapped, compatible, translated,
+/// NAT64's well-known prefix, 6to4) are judged as that IPv4 address, since
+/// a gateway delivers them there; NAT64's local-use prefix and Teredo are
+/// not public.
 pub fn is_public(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => is_public_v4(v4),
@@ -285,11 +288,15 @@ pub fn is_public(ip: IpAddr) -> bool {
 }
 
 fn is_public_v4(ip: Ipv4Addr) -> bool {
-    let [a, b, ..] = ip.octets();
+    let [a, b, c, _] = ip.octets();
     let this_network = a == 0;
     let shared = a == 100 && (64..128).contains(&b);
+    let protocol_assignments = a == 192 && b == 0 && c == 0;
+    let benchmarking = a == 198 && (b == 18 || b == 19);
     !(this_network
         || shared
+        || protocol_assignments
+        || benchmarking
         || ip.is_loopback()
         || ip.is_private()
         || ip.is_link_local()
@@ -300,7 +307,28 @@ fn is_public_v4(ip: Ipv4Addr) -> bool {
 }
 
 fn is_public_v6(ip: Ipv6Addr) -> bool {
-    let first = ip.segments()[0];
+    let segments = ip.segments();
+    let v4 = |high: u16, low: u16| {
+        let [a, b] = high.to_be_bytes();
+        let [c, d] = low.to_be_bytes();
+        Ipv4Addr::new(a, b, c, d)
+    };
+    match segments {
+        // IPv4-compatible (`::a.b.c.d`; `::` and `::1` are judged below).
+        [0, 0, 0, 0, 0, 0, high, low] if high != 0 || low > 1 => {
+            return is_public_v4(v4(high, low));
+        }
+        // IPv4-translated, `::ffff:0:a.b.c.d`.
+        [0, 0, 0, 0, 0xffff, 0, high, low] => return is_public_v4(v4(high, low)),
+        // NAT64's well-known prefix, 64:ff9b::/96.
+        [0x64, 0xff9b, 0, 0, 0, 0, high, low] => return is_public_v4(v4(high, low)),
+        // NAT64's local-use prefix 64:ff9b:1::/48, and Teredo 2001::/32.
+        [0x64, 0xff9b, 1, ..] | [0x2001, 0, ..] => return false,
+        // 6to4, 2002:a.b.c.d::/48.
+        [0x2002, high, low, ..] => return is_public_v4(v4(high, low)),
+        _ => {}
+    }
+    let first = segments[0];
     let unique_local = first & 0xfe00 == 0xfc00;
     let link_local = first & 0xffc0 == 0xfe80;
     let documentation = first == 0x2001 && ip.segments()[1] == 0x0db8;
@@ -640,6 +668,19 @@ mod tests {
             "ff02::1",
             "::ffff:127.0.0.1",
             "::ffff:10.0.0.1",
+            "192.0.0.1",
+            "198.18.0.1",
+            "198.19.255.255",
+            "64:ff9b::a00:1",
+            "64:ff9b::7f00:1",
+            "64:ff9b:1::808:808",
+            "2002:a00:1::1",
+            "2002:7f00:1::1",
+            "::a00:1",
+            "::7f00:1",
+            "::ffff:0:a00:1",
+            "::2",
+            "2001:0:4136:e378:8000:63bf:3fff:fdd2",
         ] {
             let ip: IpAddr = private.parse().expect("ip");
             assert!(!is_public(ip), "{private} is not public");
@@ -649,6 +690,11 @@ mod tests {
             "93.184.216.34",
             "2606:4700::1111",
             "::ffff:8.8.8.8",
+            "64:ff9b::808:808",
+            "2002:808:808::1",
+            "::808:808",
+            "198.20.0.1",
+            "192.0.3.1",
         ] {
             let ip: IpAddr = public.parse().expect("ip");
             assert!(is_public(ip), "{public} is public");

@@ -4,9 +4,9 @@
 //! body over the limit `413`, a bad or stale Standard Webhooks signature
 //! `401` (checked over the raw body bytes before anything parses them),
 //! malformed JSON after a valid signature `400`. Then the body is submitted
-//! as the payload of a job of the source's queue and kind, with the
-//! `webhook-id` as its idempotency key, so that a repeated delivery finds
-//! the first job (`200`, nothing created). The handler only verifies and
+//! as the payload of a job of the source's queue and kind, keyed by the
+//! source and the `webhook-id` ([`idempotency_key`]), so that a repeated
+//! delivery finds the first job (`200`, nothing created). The handler only verifies and
 //! submits: the work happens in a worker. Sources are those of the webhooks
 //! file as it is when the request arrives (it is reloaded while the server
 //! runs).
@@ -18,6 +18,7 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
+use sha2::{Digest, Sha256};
 use tonic::{Code, Request};
 
 use super::body;
@@ -141,7 +142,7 @@ async fn handle(
         queue: source.queue.clone(),
         kind: source.kind.clone(),
         payload: Some(payload),
-        idempotency_key: id,
+        idempotency_key: idempotency_key(name, &id),
         ..Default::default()
     });
     request.extensions_mut().insert(Identity {
@@ -164,5 +165,42 @@ async fn handle(
             "this webhook-id was already received with another body",
         ),
         Err(status) => HttpError::Rpc(status).into_response(),
+    }
+}
+
+/// The idempotency key of a message: its `webhook-id` within its source.
+/// A provider sends one message to each endpoint under one id, so two
+/// sources of a tenant each make their job, a repeat to either is a repeat,
+/// and the ids do not meet the tenant's own keys. `/` cannot occur in a
+/// source's name, so the key names one source and one id. An id too long
+/// for the key's 256 characters goes in as its SHA-256.
+fn idempotency_key(source: &str, id: &str) -> String {
+    let key = format!("hook/{source}/{id}");
+    if key.chars().count() <= 256 {
+        key
+    } else {
+        format!(
+            "hook/{source}/sha256:{}",
+            hex::encode(Sha256::digest(id.as_bytes()))
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_name_the_source_and_fit_the_limit() {
+        assert_eq!(idempotency_key("orders", "msg_1"), "hook/orders/msg_1");
+        assert_ne!(
+            idempotency_key("a:b", "c"),
+            idempotency_key("a", "b:c"),
+            "the separator cannot occur in a source's name"
+        );
+        let long = "x".repeat(300);
+        let key = idempotency_key(&"s".repeat(128), &long);
+        assert!(key.chars().count() <= 256, "{key}");
+        assert_ne!(key, idempotency_key(&"s".repeat(128), &"y".repeat(300)));
     }
 }
