@@ -218,7 +218,8 @@ def complete(stub, job, request):
     """Sends the outcome with Complete; retries what may pass (for up to a
     lease, after which the lease is likely gone). An outcome the server
     refuses as invalid (a result over its size limit) is sent once more as a
-    final failure, so that the job does not wait out its lease."""
+    failure, so that the job does not wait out its lease: a refused result
+    as a final one, a refused failure as retryable as it was."""
     backoff = 0.1
     deadline = time.monotonic() + ARGS.lease_seconds
     replaced = False
