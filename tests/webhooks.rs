@@ -61,6 +61,7 @@ common::backend_tests!(
     callbacks_reach_a_verifying_receiver_after_an_outage,
     callbacks_survive_a_server_killed_before_delivery,
     the_webhooks_file_is_reloaded_while_serving,
+    a_lapsed_claims_record_leaves_the_later_claims,
 );
 
 const TENANT: &str = "acme";
@@ -954,5 +955,76 @@ async fn the_webhooks_file_is_reloaded_while_serving(backend: Backend) {
         .expect("a failed reload kept the allow-list");
     new_side.stop().await;
     old_side.stop().await;
+    server.stop().await;
+}
+
+/// A replica whose record of an attempt comes after its claim's hold ran
+/// out, when another pass has claimed the row and recorded its own
+/// attempt, changes nothing: the delivery stays as the later claim left it.
+async fn a_lapsed_claims_record_leaves_the_later_claims(backend: Backend) {
+    use intray::store::outbox::Attempted;
+    // The server's own dispatcher makes its first pass at start and the
+    // next an hour later: the outbox here is the test's alone.
+    let server = TestServer::start_with(backend, |s| {
+        webhook_settings(s);
+        s.webhooks.poll = Duration::from_secs(3600);
+    })
+    .await;
+    let mut jobs = server.jobs_client(TENANT);
+    let mut workers = server.workers_client(TENANT);
+    let mut r = submit_req("lapsed", "k", json!({}));
+    r.callback_url = "http://127.0.0.1:9/".into();
+    let job = submit_with(&mut jobs, r).await;
+    let leased = lease_one(&mut workers, "w", "lapsed").await;
+    complete_ok(&mut workers, &leased).await;
+
+    let store = intray::store::open(
+        &server.settings,
+        Arc::new(intray::engine::notifier::Notifier::new()),
+    )
+    .await
+    .expect("open the store");
+    let outbox = store.outbox();
+    let first = outbox
+        .claim_due(10, Duration::ZERO)
+        .await
+        .expect("claim")
+        .pop()
+        .expect("the delivery is due");
+    // Past the first claim's (empty) hold, in the stores' resolution.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let second = outbox
+        .claim_due(10, Duration::from_secs(60))
+        .await
+        .expect("claim again")
+        .pop()
+        .expect("the lapsed delivery is due again");
+    assert!(
+        outbox
+            .record(&second, &Attempted::Delivered { status: 200 })
+            .await
+            .expect("record"),
+        "the current claim records"
+    );
+    let late = Attempted::Retry {
+        status: Some(503),
+        error: "late".into(),
+        delay: Duration::ZERO,
+    };
+    assert!(
+        !outbox.record(&first, &late).await.expect("record"),
+        "the lapsed claim does not"
+    );
+    let id: uuid::Uuid = job.id.parse().expect("a UUID");
+    let listed = outbox.list(TENANT, id).await.expect("list");
+    assert_eq!(
+        listed
+            .iter()
+            .map(|d| (d.status.as_str(), d.attempts, d.last_status))
+            .collect::<Vec<_>>(),
+        vec![("delivered", 1, Some(200))]
+    );
+    drop(outbox);
+    drop(store);
     server.stop().await;
 }

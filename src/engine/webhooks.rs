@@ -32,7 +32,7 @@ use crate::config::webhook_source::WebhookKeysSource;
 use crate::config::webhooks::WebhookSettings;
 use crate::domain::webhook::{self, AddressPolicy, AfterFailure, Target};
 use crate::domain::{Backoff, Job};
-use crate::store::outbox::{Attempted, Delivery, Outbox};
+use crate::store::outbox::{Attempted, Claimed, Delivery, Outbox};
 use crate::store::{Store, StoreError};
 use crate::telemetry::Metrics;
 
@@ -169,8 +169,9 @@ impl Dispatcher {
     }
 
     /// One attempt of one delivery, recorded.
-    async fn deliver(&self, delivery: Delivery) {
-        let answer = tokio::time::timeout(self.timings.timeout, self.send(&delivery))
+    async fn deliver(&self, claimed: Claimed) {
+        let delivery = &claimed.delivery;
+        let answer = tokio::time::timeout(self.timings.timeout, self.send(delivery))
             .await
             .unwrap_or_else(|_| {
                 Err(SendError::Transient(format!(
@@ -229,10 +230,18 @@ impl Dispatcher {
                 tracing::warn!(webhook_id = %delivery.webhook_id, job_id = %delivery.job_id, attempt, %error, "webhook delivery failed for good");
             }
         }
-        if let Err(err) = self.outbox.record(&delivery.webhook_id, &step).await {
+        match self.outbox.record(&claimed, &step).await {
+            Ok(true) => {}
+            // Recorded too late: the hold ran out and another pass (here or
+            // on another replica) took the row over, and records its own.
+            Ok(false) => {
+                tracing::info!(webhook_id = %delivery.webhook_id, "webhook attempt recorded after its claim lapsed; the later claim's record stands");
+            }
             // The row comes back when its hold runs out: sent again, which
             // the receiver's dedupe by webhook-id absorbs.
-            tracing::warn!(webhook_id = %delivery.webhook_id, error = %err, "recording a webhook attempt failed");
+            Err(err) => {
+                tracing::warn!(webhook_id = %delivery.webhook_id, error = %err, "recording a webhook attempt failed");
+            }
         }
     }
 

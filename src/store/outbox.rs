@@ -72,6 +72,17 @@ pub struct Delivery {
     pub last_error: Option<String>,
 }
 
+/// A delivery taken by [`Outbox::claim_due`], until its hold runs out.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Claimed {
+    pub delivery: Delivery,
+    /// When the hold runs out: the row's next attempt as this claim set it,
+    /// which a later claim (after the hold) changes. It names the claim, so
+    /// that a record arriving after another replica took the row over is
+    /// not written over that replica's.
+    pub held_until: DateTime<Utc>,
+}
+
 /// What one attempt came to.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Attempted {
@@ -119,10 +130,12 @@ pub trait Outbox: Send + Sync + 'static {
     /// Takes up to `limit` due deliveries and pushes their next attempt
     /// `hold` ahead, so that a replica that dies while sending leaves them
     /// to be taken again after `hold` (never lost, perhaps sent twice).
-    async fn claim_due(&self, limit: u32, hold: Duration) -> StoreResult<Vec<Delivery>>;
+    async fn claim_due(&self, limit: u32, hold: Duration) -> StoreResult<Vec<Claimed>>;
 
-    /// Records an attempt.
-    async fn record(&self, webhook_id: &str, attempt: &Attempted) -> StoreResult<()>;
+    /// Records an attempt of `claimed`; `false` when the claim had lapsed
+    /// and the row was claimed again (or recorded) meanwhile, which then
+    /// stays as it is.
+    async fn record(&self, claimed: &Claimed, attempt: &Attempted) -> StoreResult<bool>;
 
     /// Writes the missing delivery rows of jobs that finished within
     /// `window` with a callback and have none for their terminal event.
@@ -187,7 +200,7 @@ fn pg_delivery(row: &PgRow) -> StoreResult<Delivery> {
 
 #[async_trait]
 impl Outbox for PgOutbox {
-    async fn claim_due(&self, limit: u32, hold: Duration) -> StoreResult<Vec<Delivery>> {
+    async fn claim_due(&self, limit: u32, hold: Duration) -> StoreResult<Vec<Claimed>> {
         let rows = sqlx::query(
             "UPDATE webhook_deliveries d
              SET next_attempt_at = now() + $2 * interval '1 millisecond'
@@ -198,32 +211,40 @@ impl Outbox for PgOutbox {
              WHERE d.webhook_id = due.webhook_id
              RETURNING d.webhook_id, d.job_id, d.tenant, d.sequence, d.event_type, d.url,
                        d.status, d.attempts, d.created_at, d.last_attempt_at, d.last_status,
-                       d.last_error",
+                       d.last_error, d.next_attempt_at",
         )
         .bind(i64::from(limit))
         .bind(millis(hold))
         .fetch_all(&self.pool)
         .await?;
-        rows.iter().map(pg_delivery).collect()
+        rows.iter()
+            .map(|row| {
+                Ok(Claimed {
+                    delivery: pg_delivery(row)?,
+                    held_until: row.try_get("next_attempt_at")?,
+                })
+            })
+            .collect()
     }
 
-    async fn record(&self, webhook_id: &str, attempt: &Attempted) -> StoreResult<()> {
+    async fn record(&self, claimed: &Claimed, attempt: &Attempted) -> StoreResult<bool> {
         let (status, code, error, delay) = attempt.columns();
-        sqlx::query(
+        let done = sqlx::query(
             "UPDATE webhook_deliveries
              SET status = $2, attempts = attempts + 1, last_attempt_at = now(),
                  last_status = $3, last_error = $4,
                  next_attempt_at = now() + $5 * interval '1 millisecond'
-             WHERE webhook_id = $1",
+             WHERE webhook_id = $1 AND status = 'pending' AND next_attempt_at = $6",
         )
-        .bind(webhook_id)
+        .bind(&claimed.delivery.webhook_id)
         .bind(status.as_str())
         .bind(code)
         .bind(error)
         .bind(delay)
+        .bind(claimed.held_until)
         .execute(&self.pool)
         .await?;
-        Ok(())
+        Ok(done.rows_affected() > 0)
     }
 
     async fn reconcile(&self, window: Duration, limit: u32) -> StoreResult<u64> {
@@ -310,14 +331,14 @@ fn now_ms() -> i64 {
 
 #[async_trait]
 impl Outbox for SqliteOutbox {
-    async fn claim_due(&self, limit: u32, hold: Duration) -> StoreResult<Vec<Delivery>> {
+    async fn claim_due(&self, limit: u32, hold: Duration) -> StoreResult<Vec<Claimed>> {
         let now = now_ms();
         let rows = sqlx::query(concat!(
             "UPDATE webhook_deliveries SET next_attempt_at = ?1 + ?3
              WHERE webhook_id IN (SELECT webhook_id FROM webhook_deliveries
                                   WHERE status = 'pending' AND next_attempt_at <= ?1
                                   ORDER BY next_attempt_at LIMIT ?2)
-             RETURNING ",
+             RETURNING next_attempt_at, ",
             columns!()
         ))
         .bind(now)
@@ -325,27 +346,35 @@ impl Outbox for SqliteOutbox {
         .bind(millis(hold))
         .fetch_all(&self.writer)
         .await?;
-        rows.iter().map(sqlite_delivery).collect()
+        rows.iter()
+            .map(|row| {
+                Ok(Claimed {
+                    delivery: sqlite_delivery(row)?,
+                    held_until: from_ms(row.try_get("next_attempt_at")?, "next_attempt_at")?,
+                })
+            })
+            .collect()
     }
 
-    async fn record(&self, webhook_id: &str, attempt: &Attempted) -> StoreResult<()> {
+    async fn record(&self, claimed: &Claimed, attempt: &Attempted) -> StoreResult<bool> {
         let (status, code, error, delay) = attempt.columns();
         let now = now_ms();
-        sqlx::query(
+        let done = sqlx::query(
             "UPDATE webhook_deliveries
              SET status = ?2, attempts = attempts + 1, last_attempt_at = ?5,
                  last_status = ?3, last_error = ?4, next_attempt_at = ?5 + ?6
-             WHERE webhook_id = ?1",
+             WHERE webhook_id = ?1 AND status = 'pending' AND next_attempt_at = ?7",
         )
-        .bind(webhook_id)
+        .bind(&claimed.delivery.webhook_id)
         .bind(status.as_str())
         .bind(code)
         .bind(error)
         .bind(now)
         .bind(delay)
+        .bind(claimed.held_until.timestamp_millis())
         .execute(&self.writer)
         .await?;
-        Ok(())
+        Ok(done.rows_affected() > 0)
     }
 
     async fn reconcile(&self, window: Duration, limit: u32) -> StoreResult<u64> {
