@@ -21,6 +21,7 @@ common::backend_tests!(
     work_exit_1_fails_with_stderr_tail,
     work_cancel_kills_the_child,
     work_result_over_the_limit_fails_clearly,
+    work_with_a_command_it_cannot_find_refuses_to_start,
 );
 
 const TENANT: &str = "acme";
@@ -35,6 +36,8 @@ case "$INTRAY_KIND" in
       "$payload" "$INTRAY_JOB_ID" "$INTRAY_ATTEMPT" "$INTRAY_KIND" "$INTRAY_QUEUE" ;;
   text)
     echo "plain words" ;;
+  env)
+    printf '"%s"' "${INTRAY_TOKEN-unset}${INTRAY_CLIENT_KEY-}" ;;
   tempfail)
     if [ "$INTRAY_ATTEMPT" = 1 ]; then echo "upstream busy, try later" >&2; exit 75; fi
     echo '"ok on retry"' ;;
@@ -82,6 +85,9 @@ impl WorkProcess {
             .arg("sh")
             .arg(&script)
             .env("WORK_DIR", dir.path())
+            // The worker's credential, which its commands must not see (an
+            // open server ignores it).
+            .env("INTRAY_TOKEN", "the-worker-token-0123456789")
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .kill_on_drop(true);
@@ -125,6 +131,7 @@ async fn work_success(backend: Backend) {
     )
     .await;
     let text = submit(&mut jobs, "shell", "text", json!(null)).await;
+    let env = submit(&mut jobs, "shell", "env", json!(null)).await;
 
     let done = wait_for_state(&mut jobs, &ok.id, St::Succeeded, LONG).await;
     assert_eq!(
@@ -144,7 +151,38 @@ async fn work_success(backend: Backend) {
         done.result.as_ref().map(value_to_json),
         Some(json!("plain words"))
     );
+    let done = wait_for_state(&mut jobs, &env.id, St::Succeeded, LONG).await;
+    assert_eq!(
+        done.result.as_ref().map(value_to_json),
+        Some(json!("unset")),
+        "the worker's token is kept from its commands"
+    );
     worker.stop().await;
+    server.stop().await;
+}
+
+/// A command that is not there is refused at start (exit 2), before any
+/// job is leased: each job would otherwise fail with it.
+async fn work_with_a_command_it_cannot_find_refuses_to_start(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let job = submit(&mut jobs, "shell", "ok", json!({})).await;
+    let output = within(
+        LONG,
+        "intray work to refuse",
+        Command::new(env!("CARGO_BIN_EXE_intray"))
+            .args(["work", "--addr", &server.url(), "--tenant", TENANT])
+            .args(["--queue", "shell", "--", "./no-such-handler.sh"])
+            .stdin(Stdio::null())
+            .output(),
+    )
+    .await
+    .expect("run intray work");
+    assert_eq!(output.status.code(), Some(2), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("no-such-handler.sh"), "{stderr}");
+    let job = get(&mut jobs, &job.id).await;
+    assert_eq!((state(&job), job.attempt), (St::Queued, 0));
     server.stop().await;
 }
 

@@ -20,6 +20,10 @@ pub const EXIT_RETRYABLE: i32 = 75;
 const STDERR_TAIL_BYTES: usize = 2048;
 /// How long the pipes are read after the command exited.
 const PIPE_GRACE: Duration = Duration::from_secs(1);
+/// The worker's own credentials, kept from the commands: a command handles
+/// producers' payloads, and must not be able to act as the worker (or as an
+/// admin, when the worker runs with such a token).
+const WITHHELD_ENV: [&str; 3] = ["INTRAY_TOKEN", "INTRAY_CLIENT_CERT", "INTRAY_CLIENT_KEY"];
 
 /// The command every job runs, and its limits.
 #[derive(Clone, Debug)]
@@ -60,12 +64,18 @@ impl CommandSpec {
             // at the terminal reaches only `intray work`, which drains.
             .process_group(0)
             .kill_on_drop(true);
+        for name in WITHHELD_ENV {
+            command.env_remove(name);
+        }
         match ctx.traceparent() {
             Some(traceparent) => command.env("TRACEPARENT", traceparent),
             None => command.env_remove("TRACEPARENT"),
         };
+        // The program was found at start (`check_program`); what fails
+        // now is the moment's (too many open files, a binary being
+        // replaced), not the job's, so the job gets another attempt.
         let mut child = command.spawn().map_err(|e| {
-            JobError::fatal(
+            JobError::retryable(
                 "command_not_started",
                 format!("cannot start {:?}: {e}", self.program),
             )
@@ -159,6 +169,35 @@ impl CommandSpec {
         // ignored it.
         let _ = killpg(group, Signal::SIGKILL);
         status
+    }
+}
+
+/// Checks that `program` names an executable file, as a path or through
+/// `PATH` the way the spawn will look it up: a typo would otherwise fail
+/// every job leased, each on its first attempt.
+pub fn check_program(program: &str) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    let executable = |path: &std::path::Path| {
+        std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    let found = if program.contains('/') {
+        executable(std::path::Path::new(program))
+    } else {
+        std::env::var_os("PATH").is_some_and(|paths| {
+            std::env::split_paths(&paths).any(|dir| executable(&dir.join(program)))
+        })
+    };
+    if found {
+        Ok(())
+    } else {
+        Err(format!(
+            "cannot run {program:?}: no executable file of that name{}",
+            if program.contains('/') {
+                ""
+            } else {
+                " on PATH"
+            }
+        ))
     }
 }
 
@@ -289,6 +328,20 @@ mod tests {
             bytes: text.as_bytes().to_vec(),
             total: text.len(),
         }
+    }
+
+    #[test]
+    fn programs_are_found_as_the_spawn_finds_them() {
+        assert!(check_program("sh").is_ok());
+        assert!(check_program("/bin/sh").is_ok());
+        assert!(check_program("no-such-program-here").is_err());
+        assert!(check_program("./no/such/script.sh").is_err());
+        let dir = tempfile::tempdir().expect("dir");
+        let plain = dir.path().join("script.sh");
+        std::fs::write(&plain, "echo hi").expect("write");
+        let plain = plain.to_string_lossy().into_owned();
+        assert!(check_program(&plain).is_err(), "not executable");
+        assert!(check_program("/bin").is_err(), "a directory");
     }
 
     #[test]

@@ -52,7 +52,8 @@ pub struct WorkArgs {
     /// The command to run for each job, after `--`: the payload JSON is on
     /// its stdin; INTRAY_JOB_ID, INTRAY_ATTEMPT, INTRAY_KIND, INTRAY_QUEUE,
     /// INTRAY_MAX_ATTEMPTS and TRACEPARENT (when the job has one) in its
-    /// environment; its stdout (JSON, else a string) is the result; exit 0
+    /// environment, and not the worker's INTRAY_TOKEN, INTRAY_CLIENT_CERT or
+    /// INTRAY_CLIENT_KEY; its stdout (JSON, else a string) is the result; exit 0
     /// succeeds, 75 is a retryable failure, anything else a final failure
     /// with the tail of stderr as the message.
     #[arg(last = true, required = true, value_name = "CMD")]
@@ -66,6 +67,7 @@ pub async fn run(opts: &ClientOpts, args: WorkArgs) -> Result<(), ClientError> {
     let program = command
         .next()
         .ok_or_else(|| ClientError::BadArgument("give the command to run after --".into()))?;
+    child::check_program(&program).map_err(ClientError::BadArgument)?;
     let spec = Arc::new(CommandSpec {
         program,
         args: command.collect(),
