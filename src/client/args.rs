@@ -138,7 +138,9 @@ pub enum ClientCommand {
     ///
     /// Prints the history first (after `--after`), then live events, one line
     /// each (one JSON object per line with `--json`); reconnects on its own if
-    /// the server becomes unavailable, without missing or repeating events.
+    /// the server becomes unavailable or the connection drops, without
+    /// missing or repeating events. Exits 0 when the job succeeded and 3 when
+    /// it ended otherwise (failed, cancelled, expired).
     Watch(WatchArgs),
     /// List jobs, newest first.
     ///

@@ -483,13 +483,18 @@ async fn list(
 
 /// Streams the events of a job until the job has ended.
 ///
-/// How long the history stream may stay quiet before the history is taken
-/// as complete: the server sends stored events in bursts straight from the
-/// database, then waits for new ones.
+/// How long the history stream may stay quiet, once it has sent an event,
+/// before the history is taken as complete: the server sends stored events
+/// in bursts straight from the database, then waits for new ones.
 const HISTORY_IDLE: std::time::Duration = std::time::Duration::from_millis(500);
+/// How long the first event may take: every job has one, and a busy
+/// database may be slow to give it.
+const HISTORY_FIRST: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// A job's events so far: `WatchJob` from the start, until its terminal
-/// event or until the stream goes quiet (the job is still live).
+/// A job's events so far: `WatchJob` from the start, until the server ends
+/// the stream (after the latest event of an ended job: a replayed job's
+/// history holds earlier terminal events) or until it goes quiet (the job
+/// is still live).
 async fn history(
     session: &mut Session,
     id: String,
@@ -500,16 +505,18 @@ async fn history(
     });
     let mut stream = session.client.watch_job(request).await?.into_inner();
     let mut events = Vec::new();
-    while let Ok(next) = tokio::time::timeout(HISTORY_IDLE, stream.message()).await {
-        match next? {
-            Some(event) => {
-                let done = is_terminal(event.state);
-                events.push(event);
-                if done {
-                    break;
-                }
-            }
-            None => break,
+    loop {
+        let quiet = if events.is_empty() {
+            HISTORY_FIRST
+        } else {
+            HISTORY_IDLE
+        };
+        match tokio::time::timeout(quiet, stream.message()).await {
+            Ok(next) => match next? {
+                Some(event) => events.push(event),
+                None => break,
+            },
+            Err(_) => break,
         }
     }
     Ok(events)
@@ -519,10 +526,13 @@ async fn history(
 /// breaks off before that (a restart, a lost connection, a server shutting
 /// down), this reconnects after the last event printed: the server's
 /// `after_sequence` contract means nothing is missed or printed twice.
+/// A job that ended other than `SUCCEEDED` is [`ClientError::NotSucceeded`],
+/// so that `intray watch ID && next-step` stops there.
 async fn watch(session: &mut Session, args: WatchArgs, json: bool) -> Result<(), ClientError> {
     let mut after = args.after;
     let mut failures = 0u32;
     let mut finished = false;
+    let mut last_state = JobState::Unspecified as i32;
     loop {
         let request = session.request(WatchJobRequest {
             id: args.id.clone(),
@@ -539,6 +549,7 @@ async fn watch(session: &mut Session, args: WatchArgs, json: bool) -> Result<(),
                             failures = 0;
                             after = after.max(event.sequence);
                             finished = is_terminal(event.state);
+                            last_state = event.state;
                             if json {
                                 let line = serde_json::to_string(&print::json_value(&event, &[])?)?;
                                 print_text(|out| writeln!(out, "{line}"))?;
@@ -554,9 +565,9 @@ async fn watch(session: &mut Session, args: WatchArgs, json: bool) -> Result<(),
             Err(status) => Some(status),
         };
         let interruption = match ended_with {
-            Some(status) if status.code() == Code::Unavailable => status,
+            Some(status) if reconnectable(status.code()) => status,
             Some(status) => return Err(status.into()),
-            None if finished => return Ok(()),
+            None if finished => return ended(last_state),
             // Ended early after some events, e.g. a server shutting down:
             // pick up where it stopped.
             None if got_events => continue,
@@ -567,14 +578,16 @@ async fn watch(session: &mut Session, args: WatchArgs, json: bool) -> Result<(),
                     id: args.id.clone(),
                 });
                 match session.client.get(request).await {
-                    Ok(job) if is_terminal(job.get_ref().state) => return Ok(()),
+                    Ok(job) if is_terminal(job.get_ref().state) => {
+                        return ended(job.get_ref().state);
+                    }
                     Ok(_) => {
                         // The server is up but ended the stream: not a
                         // connection failure, so wait briefly and go on.
                         tokio::time::sleep(Duration::from_secs(1)).await;
                         continue;
                     }
-                    Err(status) if status.code() == Code::Unavailable => status,
+                    Err(status) if reconnectable(status.code()) => status,
                     Err(status) => return Err(status.into()),
                 }
             }
@@ -592,6 +605,26 @@ async fn watch(session: &mut Session, args: WatchArgs, json: bool) -> Result<(),
             print::format_duration(delay)
         );
         tokio::time::sleep(delay).await;
+    }
+}
+
+/// Whether a watch that broke off with `code` may try again: the server
+/// going away or restarting, and a connection cut mid-stream (which the
+/// transport reports as `UNKNOWN`, or `INTERNAL` for a protocol error).
+/// What the server decided (not found, not allowed) stands.
+fn reconnectable(code: Code) -> bool {
+    matches!(
+        code,
+        Code::Unavailable | Code::Unknown | Code::Internal | Code::Cancelled
+    )
+}
+
+/// How a watch ends for a job in the terminal `state`.
+fn ended(state: i32) -> Result<(), ClientError> {
+    if state == JobState::Succeeded as i32 {
+        Ok(())
+    } else {
+        Err(ClientError::NotSucceeded(print::state_name(state)))
     }
 }
 

@@ -38,16 +38,22 @@ pub enum ClientError {
     /// Standard output could not be written.
     #[error("cannot write the output: {0}")]
     Output(#[source] std::io::Error),
+
+    /// `watch` saw the job end in this state, not `succeeded`.
+    #[error("the job ended {0}")]
+    NotSucceeded(String),
 }
 
 impl ClientError {
     /// The process exit code for this error: 2 when the input was wrong
     /// (including a server `INVALID_ARGUMENT`), as clap does for usage errors;
-    /// 1 for everything else.
+    /// 3 when a watched job ended other than `succeeded`; 1 for everything
+    /// else.
     pub fn exit_code(&self) -> i32 {
         match self {
             ClientError::BadArgument(_) => 2,
             ClientError::Status(status) if status.code() == Code::InvalidArgument => 2,
+            ClientError::NotSucceeded(_) => 3,
             _ => 1,
         }
     }

@@ -207,7 +207,7 @@ pub fn write_job(out: &mut impl Write, job: &Job) -> io::Result<()> {
         lines.push(("labels", labels_text(&job.labels)));
     }
     for (key, value) in lines {
-        writeln!(out, "{key:<12}{value}")?;
+        writeln!(out, "{key:<12}{}", clean(&value))?;
     }
     Ok(())
 }
@@ -251,7 +251,27 @@ pub fn write_event(out: &mut impl Write, event: &JobEvent) -> io::Result<()> {
         line.push_str("  ");
         line.push_str(&one_line_json(detail));
     }
-    writeln!(out, "{}", line.trim_end())
+    writeln!(out, "{}", clean(line.trim_end()))
+}
+
+/// Text from the server as a terminal should show it: control characters
+/// written as escapes. Error messages, labels and worker ids are free text
+/// (a command's stderr ends up in a message), and an escape sequence in
+/// them could rewrite the screen or the clipboard, a newline forge a line.
+fn clean(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(char::is_control) {
+        return text.into();
+    }
+    text.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect::<String>()
+        .into()
 }
 
 /// The time of an event, when it has a valid one.
@@ -534,6 +554,11 @@ pub fn write_table(
     rows: &[Vec<String>],
     right: &[usize],
 ) -> io::Result<()> {
+    let rows: Vec<Vec<String>> = rows
+        .iter()
+        .map(|row| row.iter().map(|cell| clean(cell).into_owned()).collect())
+        .collect();
+    let rows = rows.as_slice();
     let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
     for row in rows {
         for (width, cell) in widths.iter_mut().zip(row) {
@@ -603,6 +628,27 @@ mod tests {
             updated_at: ts("2030-01-02T03:05:00.250Z"),
             ..Job::default()
         }
+    }
+
+    #[test]
+    fn control_characters_from_the_server_are_escaped() {
+        let mut job = sample_job();
+        job.error = Some(JobError {
+            class: "boom".into(),
+            message: "x\u{1b}]52;c;aGk=\u{7}\nstate       succeeded\u{9b}2J".into(),
+        });
+        job.lease_owner = "w\u{1b}[2J".into();
+        let out = text(|out| write_job(out, &job));
+        assert!(!out.chars().any(|c| c.is_control() && c != '\n'), "{out:?}");
+        assert_eq!(
+            out.lines().count(),
+            text(|out| write_job(out, &sample_job())).lines().count() + 1,
+            "one line more (the lease), none forged: {out}"
+        );
+        assert!(out.contains("\\u{1b}]52"), "{out}");
+        let rows = vec![vec!["a\u{1b}[31m".to_owned()]];
+        let table = text(|out| write_table(out, &["H"], &rows, &[]));
+        assert!(!table.contains('\u{1b}'), "{table:?}");
     }
 
     #[test]

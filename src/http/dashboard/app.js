@@ -345,7 +345,9 @@ async function followEvents(id, onEvent) {
           const event = JSON.parse(data);
           last = num(event.sequence);
           onEvent(event);
-          if (TERMINAL.includes(short(event.type))) finished = true;
+          // The latest event decides: a replayed job's history holds
+          // earlier terminal events.
+          finished = TERMINAL.includes(short(event.type));
         }
       }
       // The server ends the stream after the terminal event (or on shutdown).
@@ -371,13 +373,28 @@ async function renderJob(id) {
   $('#job-retry').onclick = () => act('Replay job ' + id + '?',
     () => call('POST', '/jobs:retry', { id }),
     (r) => 'Replayed ' + (r.retried || []).length + ' job.');
-  followEvents(id, async (event) => {
+  // The fields follow the events with one read in flight at most (a
+  // history of hundreds of events is not hundreds of reads), and a read
+  // that comes back after the page moved on is dropped.
+  let reading = false;
+  let again = false;
+  const readFields = async () => {
+    if (reading) { again = true; return; }
+    reading = true;
+    do {
+      again = false;
+      try {
+        const job = await call('GET', '/jobs/' + encodeURIComponent(id));
+        if (routeParams().path === '/job/' + encodeURIComponent(id)) renderJobFields(job);
+      } catch (err) { fail(err); }
+    } while (again);
+    reading = false;
+  };
+  followEvents(id, (event) => {
     events.push(event);
     $('#timeline').append(timelineItem(event));
     renderAttempts(events);
-    if (event.sequence !== '1' || events.length > 1) {
-      try { renderJobFields(await call('GET', '/jobs/' + encodeURIComponent(id))); } catch (err) { fail(err); }
-    }
+    if (event.sequence !== '1' || events.length > 1) readFields();
   });
   renderAttempts(events);
 }
@@ -462,8 +479,14 @@ function describe(filter) {
 // ---- routing -----------------------------------------------------------------
 
 let timer = null;
+let rendering = false;
 
 async function render() {
+  rendering = true;
+  try { await renderView(); } finally { rendering = false; }
+}
+
+async function renderView() {
   const { path, params } = routeParams();
   let view = 'queues';
   if (path.startsWith('/jobs')) view = 'jobs';
@@ -496,7 +519,8 @@ function schedule() {
     timer = setInterval(() => {
       const { path } = routeParams();
       // A job page is live through its event stream; forms are not reset while typed in.
-      if (!path.startsWith('/job/') && !document.querySelector('dialog[open]') && !document.activeElement.closest('form')) render();
+      // One render at a time: a slow one is not joined by the next tick's.
+      if (!rendering && !path.startsWith('/job/') && !document.querySelector('dialog[open]') && !document.activeElement.closest('form')) render();
     }, REFRESH_MS);
   }
 }

@@ -1,0 +1,118 @@
+//! The client commands (the built binary) against a real server, on both
+//! backends: a replayed job's whole history, and `watch`'s exit status.
+
+mod common;
+
+use std::process::Output;
+use std::time::Duration;
+
+use common::*;
+use intray::pb;
+use serde_json::{Value, json};
+use tokio::process::Command;
+
+common::backend_tests!(
+    get_events_shows_a_replayed_jobs_whole_history,
+    watch_exits_by_how_the_job_ended,
+);
+
+const TENANT: &str = "cli";
+
+/// Runs `intray --addr ADDR --tenant cli ARGS`, with no other `INTRAY_*`
+/// setting from the environment.
+async fn intray(server: &TestServer, args: &[&str]) -> Output {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_intray"));
+    for (key, _) in std::env::vars() {
+        if key.starts_with("INTRAY_") {
+            command.env_remove(key);
+        }
+    }
+    command
+        .args(["--addr", &server.url(), "--tenant", TENANT])
+        .args(args)
+        .kill_on_drop(true);
+    within(Duration::from_secs(30), "the CLI", command.output())
+        .await
+        .expect("run the CLI")
+}
+
+/// A job of `queue` that failed on its only attempt.
+async fn failed_job(server: &TestServer, queue: &str) -> pb::Job {
+    let mut jobs = server.jobs_client(TENANT);
+    let mut workers = server.workers_client(TENANT);
+    let mut r = submit_req(queue, "k", json!({}));
+    r.max_attempts = Some(1);
+    let job = submit_with(&mut jobs, r).await;
+    let leased = lease_one(&mut workers, "w", queue).await;
+    workers
+        .complete(failure_req(&leased, "broken", Some(false), None))
+        .await
+        .expect("Complete");
+    job
+}
+
+/// A job that failed, was replayed and then succeeded: `get --events` shows
+/// every event, not only those up to the first terminal one.
+async fn get_events_shows_a_replayed_jobs_whole_history(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let mut workers = server.workers_client(TENANT);
+    let job = failed_job(&server, "replayed").await;
+    jobs.retry(pb::RetryJobRequest {
+        target: Some(pb::retry_job_request::Target::Id(job.id.clone())),
+        ..Default::default()
+    })
+    .await
+    .expect("Retry");
+    let leased = lease_one(&mut workers, "w", "replayed").await;
+    complete_ok(&mut workers, &leased).await;
+
+    let output = intray(&server, &["--json", "get", "--events", &job.id]).await;
+    assert!(output.status.success(), "{output:?}");
+    let answer: Value = serde_json::from_slice(&output.stdout).expect("JSON");
+    let types: Vec<&str> = answer["events"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .filter_map(|e| e["type"].as_str())
+        .collect();
+    assert_eq!(
+        types,
+        [
+            "JOB_EVENT_TYPE_SUBMITTED",
+            "JOB_EVENT_TYPE_LEASED",
+            "JOB_EVENT_TYPE_FAILED",
+            "JOB_EVENT_TYPE_REPLAYED",
+            "JOB_EVENT_TYPE_LEASED",
+            "JOB_EVENT_TYPE_SUCCEEDED",
+        ],
+        "{answer}"
+    );
+    server.stop().await;
+}
+
+/// `watch` exits 0 for a job that succeeded and 3 for one that ended
+/// otherwise, so that `intray watch ID && next-step` stops at a failure.
+async fn watch_exits_by_how_the_job_ended(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let mut workers = server.workers_client(TENANT);
+    let failed = failed_job(&server, "watched").await;
+    let output = intray(&server, &["watch", &failed.id]).await;
+    assert_eq!(output.status.code(), Some(3), "{output:?}");
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("failed"),
+        "{output:?}"
+    );
+
+    let ok = submit(&mut jobs, "watched", "k", json!({})).await;
+    let leased = lease_one(&mut workers, "w", "watched").await;
+    complete_ok(&mut workers, &leased).await;
+    let output = intray(&server, &["watch", &ok.id]).await;
+    assert_eq!(output.status.code(), Some(0), "{output:?}");
+    // From past the terminal event the stream is empty, and the job's
+    // state decides.
+    let output = intray(&server, &["watch", "--after", "10", &failed.id]).await;
+    assert_eq!(output.status.code(), Some(3), "{output:?}");
+    server.stop().await;
+}
