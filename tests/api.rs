@@ -45,6 +45,7 @@ common::backend_tests!(
     deadline_between_attempts,
     retry_beyond_deadline_expires,
     lease_order_and_kind_filter,
+    a_queue_named_twice_in_a_lease_counts_once,
     coalesced_neighbours_are_independent,
 );
 
@@ -2524,6 +2525,22 @@ async fn retry_beyond_deadline_expires(backend: Backend) {
 // ---------------------------------------------------------------------------
 // extra: claim order and kind filter
 // ---------------------------------------------------------------------------
+
+/// A `Lease` naming a queue twice gets as many jobs as it asks for, not
+/// fewer (each job was a candidate twice and took two slots).
+async fn a_queue_named_twice_in_a_lease_counts_once(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+    for _ in 0..3 {
+        submit(&mut jobs, "twice", "k", json!({})).await;
+    }
+    let mut r = lease_req("w", "twice", 3, Duration::ZERO);
+    r.queues.push("twice".into());
+    let leased = workers.lease(r).await.expect("Lease").into_inner().jobs;
+    assert_eq!(leased.len(), 3);
+    server.stop().await;
+}
 
 async fn lease_order_and_kind_filter(backend: Backend) {
     let server = TestServer::start(backend).await;

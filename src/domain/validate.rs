@@ -355,6 +355,17 @@ fn lease_duration(field: &str, value: Option<Duration>, limits: &Limits) -> Resu
     Ok(d)
 }
 
+/// `names` without repeats, in the order of their first appearance: a
+/// queue named twice would be a claim's candidate twice, and take two of
+/// its slots (and count twice against running caps) for one job.
+fn first_of_each(names: Vec<String>) -> Vec<String> {
+    let mut seen = std::collections::HashSet::with_capacity(names.len());
+    names
+        .into_iter()
+        .filter(|name| seen.insert(name.clone()))
+        .collect()
+}
+
 /// Validates a `Lease` call and applies the defaults.
 pub fn lease(input: LeaseInput, limits: &Limits) -> Result<LeaseSpec> {
     let worker_id = worker_id(&input.worker_id)?;
@@ -369,7 +380,8 @@ pub fn lease(input: LeaseInput, limits: &Limits) -> Result<LeaseSpec> {
         .iter()
         .enumerate()
         .map(|(i, q)| queue(&format!("queues[{i}]"), q))
-        .collect::<Result<Vec<_>>>()?;
+        .collect::<Result<Vec<_>>>()
+        .map(first_of_each)?;
     if input.kinds.len() > 64 {
         return Err(ValidationError::new("kinds", "at most 64 kinds"));
     }
@@ -378,7 +390,8 @@ pub fn lease(input: LeaseInput, limits: &Limits) -> Result<LeaseSpec> {
         .iter()
         .enumerate()
         .map(|(i, k)| kind(&format!("kinds[{i}]"), k))
-        .collect::<Result<Vec<_>>>()?;
+        .collect::<Result<Vec<_>>>()
+        .map(first_of_each)?;
     let max_jobs = input.max_jobs.unwrap_or(1);
     if !(1..=MAX_LEASE_JOBS).contains(&max_jobs) {
         return Err(ValidationError::new(
@@ -779,6 +792,24 @@ mod tests {
                 ..good()
             }),
             "payload"
+        );
+    }
+
+    #[test]
+    fn a_queue_or_kind_named_twice_counts_once() {
+        let spec = lease(
+            LeaseInput {
+                worker_id: "w".into(),
+                queues: vec!["b".into(), "a".into(), "b".into()],
+                kinds: vec!["k".into(), "k".into()],
+                ..Default::default()
+            },
+            &limits(),
+        )
+        .expect("valid");
+        assert_eq!(
+            (spec.queues, spec.kinds),
+            (vec!["b".into(), "a".into()], vec!["k".into()])
         );
     }
 
