@@ -46,6 +46,7 @@ common::backend_tests!(
     retry_beyond_deadline_expires,
     lease_order_and_kind_filter,
     a_queue_named_twice_in_a_lease_counts_once,
+    answers_read_as_the_job_is_stored,
     coalesced_neighbours_are_independent,
 );
 
@@ -2525,6 +2526,34 @@ async fn retry_beyond_deadline_expires(backend: Backend) {
 // ---------------------------------------------------------------------------
 // extra: claim order and kind filter
 // ---------------------------------------------------------------------------
+
+/// The job a transition answers with reads as a later `Get` reads it: its
+/// times at the precision the database keeps (SQLite milliseconds,
+/// PostgreSQL microseconds), not the finer one of the clock it came from.
+async fn answers_read_as_the_job_is_stored(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+    let times = |job: &pb::Job| (job.updated_at, job.finished_at);
+    let queued = submit(&mut jobs, "stored", "k", json!({})).await;
+    let cancelled = jobs
+        .cancel(pb::CancelJobRequest {
+            id: queued.id.clone(),
+            reason: String::new(),
+        })
+        .await
+        .expect("Cancel")
+        .into_inner();
+    assert_eq!(times(&cancelled), times(&get(&mut jobs, &queued.id).await));
+    // Through the replica that leased it, as workers mostly do.
+    for _ in 0..20 {
+        let job = submit(&mut jobs, "stored", "k", json!({})).await;
+        let leased = lease_one(&mut workers, "w", "stored").await;
+        let done = complete_ok(&mut workers, &leased).await;
+        assert_eq!(times(&done), times(&get(&mut jobs, &job.id).await));
+    }
+    server.stop().await;
+}
 
 /// A `Lease` naming a queue twice gets as many jobs as it asks for, not
 /// fewer (each job was a candidate twice and took two slots).

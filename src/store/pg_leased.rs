@@ -41,7 +41,7 @@ use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use chrono::{DateTime, TimeDelta, Utc};
+use chrono::{DateTime, SubsecRound, TimeDelta, Utc};
 use uuid::Uuid;
 
 use crate::domain::Job;
@@ -93,12 +93,17 @@ struct Entry {
 }
 
 impl Entry {
+    /// The database's time estimated from this process's clock, in whole
+    /// microseconds as PostgreSQL keeps them: the job a `Complete` returns
+    /// (and the event its watchers get) must read as it is stored.
     fn now(&self, at: Instant) -> DateTime<Utc> {
         let passed = TimeDelta::from_std(at.saturating_duration_since(self.arrived))
             .unwrap_or(TimeDelta::MAX);
-        self.granted
+        let now = self
+            .granted
             .checked_add_signed(passed)
-            .unwrap_or(DateTime::<Utc>::MAX_UTC)
+            .unwrap_or(DateTime::<Utc>::MAX_UTC);
+        now.trunc_subsecs(6)
     }
 
     fn expired(&self, at: Instant) -> bool {

@@ -77,6 +77,14 @@ fn ms(t: DateTime<Utc>) -> i64 {
     t.timestamp_millis()
 }
 
+/// The time in whole milliseconds, as the columns keep it: a job a
+/// transition returns (and the event its watchers get) must read as it is
+/// stored.
+fn stored_now() -> DateTime<Utc> {
+    let now = Utc::now();
+    DateTime::from_timestamp_millis(now.timestamp_millis()).unwrap_or(now)
+}
+
 fn opt_ms(t: Option<DateTime<Utc>>) -> Option<i64> {
     t.map(ms)
 }
@@ -399,7 +407,7 @@ impl SqliteStore {
         let mut tx = self.begin().await?;
         let mut job = load(&mut tx, tenant, id).await?;
         let mut changes = Changes::default();
-        if let Some(event) = apply(&mut job, Utc::now())? {
+        if let Some(event) = apply(&mut job, stored_now())? {
             save(&mut tx, &job, &event).await?;
             changes.job_event(&job, &event);
         }
@@ -849,7 +857,7 @@ impl Store for SqliteStore {
         .bind(i64::from(filter.limit))
         .fetch_all(&mut *tx)
         .await?;
-        let now = Utc::now();
+        let now = stored_now();
         let mut changes = Changes::default();
         let mut retried = Vec::with_capacity(rows.len());
         for row in &rows {
@@ -1076,7 +1084,7 @@ impl Store for SqliteStore {
         items: Vec<CompleteSpec>,
     ) -> StoreResult<Vec<StoreResult<Ended>>> {
         let mut tx = self.begin().await?;
-        let now = Utc::now();
+        let now = stored_now();
         // The batch's jobs in one read. Each outcome applies to the job as
         // the batch left it, so a second outcome for the same job meets
         // the first one's result, as it would in separate calls.
@@ -1146,7 +1154,7 @@ impl Store for SqliteStore {
     #[tracing::instrument(name = "store.reap", skip_all)]
     async fn reap(&self, batch: u32, retention: Duration) -> StoreResult<Reaped> {
         let mut tx = self.begin().await?;
-        let now = Utc::now();
+        let now = stored_now();
         let expired_leases = sqlx::query(
             "SELECT * FROM jobs WHERE state = 'running' AND lease_expires_at <= ?1
              ORDER BY lease_expires_at LIMIT ?2",
@@ -1295,6 +1303,6 @@ impl Store for SqliteStore {
     /// The process's own: it is the only writer, and its statements take
     /// the time from it.
     fn now(&self) -> DateTime<Utc> {
-        Utc::now()
+        stored_now()
     }
 }
