@@ -46,6 +46,10 @@ impl DatabaseArgs {
     }
 }
 
+/// The longest `--retention`: keeping jobs "forever" is a retention this
+/// long, and the database's cut-off must stay a valid time.
+const MAX_RETENTION: Duration = Duration::from_secs(1000 * 365 * 24 * 3600);
+
 /// `intray serve`.
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
@@ -300,6 +304,10 @@ impl ServeArgs {
         if self.rate_limit_burst == Some(0) {
             return Err("--rate-limit-burst must be at least 1".into());
         }
+        // PostgreSQL computes the cut-off as a timestamp, which ends 4713 BC.
+        if self.retention > MAX_RETENTION {
+            return Err("--retention must be at most 1000 years".into());
+        }
         let mut s = Settings::new(self.database.url());
         s.max_connections = self.max_connections;
         s.coalesce_in_flight = usize::from(self.coalesce_in_flight);
@@ -393,5 +401,18 @@ mod tests {
             "one pool connection would be the listener's"
         );
         assert_eq!(parse("3").map(|s| s.args.max_connections).ok(), Some(3));
+    }
+
+    #[test]
+    fn retention_keeps_the_cut_off_a_valid_time() {
+        let settings = |retention: &str| {
+            Serve::try_parse_from(["serve", "--retention", retention])
+                .map_err(|e| e.to_string())
+                .and_then(|s| s.args.settings())
+                .map(|s| s.retention)
+        };
+        assert!(settings("100years").is_ok());
+        let refused = settings("10000years").expect_err("past 4713 BC");
+        assert!(refused.contains("--retention"), "{refused}");
     }
 }

@@ -2207,7 +2207,7 @@ impl Store for PgStore {
         // finished rows, which no claim reads). Events have no foreign key
         // (migration 0007): they go in the same statement as their jobs.
         // The locked rows go by tuple id: no key to plan around.
-        let deleted: i64 = sqlx::query_scalar(
+        let deleted = sqlx::query_scalar::<_, i64>(
             "WITH gone AS (
                 DELETE FROM jobs WHERE ctid = ANY(ARRAY(
                     SELECT ctid FROM jobs
@@ -2223,8 +2223,15 @@ impl Store for PgStore {
         .bind(millis(retention))
         .bind(i64::from(batch))
         .fetch_one(&self.pool)
-        .await?;
-        let deleted = to_u64(deleted, "deleted")?;
+        .await
+        .map_err(StoreError::from)
+        .and_then(|n| to_u64(n, "deleted"));
+        // What was reclaimed is committed: a failed deletion must not lose
+        // its report (metrics, attempt spans, the reaper's next pass).
+        let deleted = deleted.unwrap_or_else(|err| {
+            tracing::warn!(error = %err, "deleting finished jobs past retention failed; trying again next pass");
+            0
+        });
         Ok(Reaped::new(reclaimed, expired, deleted))
     }
 
@@ -2865,6 +2872,58 @@ mod tests {
             succeeded += results.iter().filter(|r| r.is_ok()).count();
         }
         assert_eq!(succeeded, 2, "each job ended once");
+        drop(store);
+        drop(db);
+        scratch.drop().await;
+    }
+
+    /// A reaper pass whose deletion of old jobs fails still reports the
+    /// leases it reclaimed (committed before): their metrics and attempt
+    /// spans come from that report.
+    #[tokio::test]
+    async fn a_failed_deletion_keeps_the_reapers_report() {
+        let scratch = Scratch::new("intray_reap_report").await;
+        let store = scratch.store().await;
+        let mut db = PgConnection::connect(&scratch.url).await.expect("connect");
+        store
+            .submit("default", vec![new_job(), new_job()])
+            .await
+            .expect("submit");
+        // One job finished (for retention to delete), one leased briefly.
+        let done = store
+            .lease("default", &[lease_spec("w", 1)])
+            .await
+            .expect("lease")
+            .concat();
+        let success = Outcome::Success {
+            result: serde_json::json!(1),
+        };
+        let ended = store
+            .complete("default", vec![outcome_for(&done[0], success)])
+            .await
+            .expect("complete");
+        assert!(ended[0].is_ok());
+        let short = LeaseSpec {
+            lease_duration: Duration::from_millis(50),
+            ..lease_spec("w", 1)
+        };
+        let leased = store.lease("default", &[short]).await.expect("lease");
+        assert_eq!(leased.concat().len(), 1);
+        sqlx::raw_sql(
+            "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS
+             $$ BEGIN RAISE EXCEPTION 'no deleting today'; END $$;
+             CREATE TRIGGER no_delete BEFORE DELETE ON jobs
+                 FOR EACH ROW EXECUTE FUNCTION refuse();",
+        )
+        .execute(&mut db)
+        .await
+        .expect("refuse deletions");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let reaped = store
+            .reap(10, Duration::ZERO)
+            .await
+            .expect("the pass reports despite the failed deletion");
+        assert_eq!((reaped.expired_leases, reaped.deleted), (1, 0));
         drop(store);
         drop(db);
         scratch.drop().await;

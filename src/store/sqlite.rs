@@ -332,6 +332,27 @@ impl SqliteStore {
         Ok(())
     }
 
+    /// Deletes up to `batch` jobs (and their events) that finished before
+    /// `cutoff` (milliseconds), in a short transaction of its own, so that
+    /// the single writer is not held long.
+    async fn delete_past_retention(&self, cutoff: i64, batch: u32) -> StoreResult<u64> {
+        let mut tx = self.begin().await?;
+        let deleted = sqlx::query(
+            "DELETE FROM jobs WHERE id IN (
+                SELECT id FROM jobs
+                WHERE state IN ('succeeded', 'failed', 'cancelled', 'expired') AND finished_at < ?1
+                ORDER BY finished_at LIMIT ?2
+             )",
+        )
+        .bind(cutoff)
+        .bind(i64::from(batch))
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        self.commit(tx, &Changes::default()).await?;
+        Ok(deleted)
+    }
+
     /// Counts an attempt's outcome against its queue and kind's breaker, in
     /// the caller's transaction (see the PostgreSQL store).
     async fn update_breaker(
@@ -1194,21 +1215,15 @@ impl Store for SqliteStore {
             expired.push(event);
         }
         self.commit(tx, &changes).await?;
-        // Its own short transaction, so the single writer is not held long.
-        let mut tx = self.begin().await?;
-        let deleted = sqlx::query(
-            "DELETE FROM jobs WHERE id IN (
-                SELECT id FROM jobs
-                WHERE state IN ('succeeded', 'failed', 'cancelled', 'expired') AND finished_at < ?1
-                ORDER BY finished_at LIMIT ?2
-             )",
-        )
-        .bind(ms(now) - duration_ms(retention))
-        .bind(i64::from(batch))
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-        self.commit(tx, &Changes::default()).await?;
+        // What was reclaimed is committed: a failed deletion must not lose
+        // its report (metrics, attempt spans, the reaper's next pass).
+        let deleted = self
+            .delete_past_retention(ms(now).saturating_sub(duration_ms(retention)), batch)
+            .await
+            .unwrap_or_else(|err| {
+                tracing::warn!(error = %err, "deleting finished jobs past retention failed; trying again next pass");
+                0
+            });
         Ok(Reaped::new(reclaimed, expired, deleted))
     }
 
