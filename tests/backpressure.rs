@@ -18,6 +18,7 @@ common::backend_tests!(
     resume_wakes_a_waiting_worker,
     queue_bound_refuses_with_retry_info,
     retention_deletes_old_finished_jobs,
+    retention_forgets_workers_unseen_and_idle,
     counts_follow_concurrent_transitions,
 );
 
@@ -278,6 +279,51 @@ async fn retention_deletes_old_finished_jobs(backend: Backend) {
         "a deleted job leaves the counts: {counted:?}"
     );
     assert_eq!(counted.get(&("r2".to_owned(), St::Queued)), Some(&1));
+    server.stop().await;
+}
+
+/// Workers unseen for the retention window and holding no job are
+/// forgotten (each process adds one, so the table would only grow); one
+/// that holds a job stays however long ago it leased.
+async fn retention_forgets_workers_unseen_and_idle(backend: Backend) {
+    let server = TestServer::start_with(backend, |s| {
+        s.retention = Duration::from_millis(500);
+        s.reaper_interval = Duration::from_millis(100);
+    })
+    .await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+    submit(&mut jobs, "held", "k", json!({})).await;
+    let mut r = lease_req("holder", "held", 1, Duration::ZERO);
+    r.lease_duration = Some(secs(60));
+    let held = workers.lease(r).await.expect("Lease").into_inner().jobs;
+    assert_eq!(held.len(), 1);
+    for idle in ["idle-1", "idle-2"] {
+        lease_now(&mut workers, idle, "empty").await;
+    }
+    let names = || async {
+        db_integers(
+            server.backend,
+            &server.settings.database_url,
+            "SELECT count(*) FROM workers WHERE worker_id LIKE 'idle-%'",
+            &[],
+        )
+        .await
+    };
+    assert_eq!(names().await, vec![2]);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while names().await != vec![0] {
+        assert!(tokio::time::Instant::now() < deadline, "idle workers kept");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let holders = db_integers(
+        server.backend,
+        &server.settings.database_url,
+        "SELECT count(*) FROM workers WHERE worker_id = 'holder'",
+        &[],
+    )
+    .await;
+    assert_eq!(holders, vec![1], "a worker holding a job stays");
     server.stop().await;
 }
 

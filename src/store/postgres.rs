@@ -2232,6 +2232,25 @@ impl Store for PgStore {
             tracing::warn!(error = %err, "deleting finished jobs past retention failed; trying again next pass");
             0
         });
+        // Workers are named per process (hostname-pid by default), so every
+        // restart adds one: those unseen for the retention and holding no
+        // job go, or the table (and Stats) would grow for good.
+        let forgotten = sqlx::query(
+            "DELETE FROM workers WHERE ctid = ANY(ARRAY(
+                SELECT w.ctid FROM workers w
+                WHERE w.last_lease_at < now() - $1 * interval '1 millisecond'
+                  AND NOT EXISTS (SELECT 1 FROM jobs j
+                                  WHERE j.tenant = w.tenant AND j.state = 'running'
+                                    AND j.lease_owner = w.worker_id)
+                LIMIT $2))",
+        )
+        .bind(millis(retention))
+        .bind(i64::from(batch))
+        .execute(&self.pool)
+        .await;
+        if let Err(err) = forgotten {
+            tracing::warn!(error = %err, "forgetting workers past retention failed; trying again next pass");
+        }
         Ok(Reaped::new(reclaimed, expired, deleted))
     }
 

@@ -333,8 +333,10 @@ impl SqliteStore {
     }
 
     /// Deletes up to `batch` jobs (and their events) that finished before
-    /// `cutoff` (milliseconds), in a short transaction of its own, so that
-    /// the single writer is not held long.
+    /// `cutoff` (milliseconds), and up to `batch` workers unseen since then
+    /// that hold no job (workers are named per process, so every restart
+    /// adds one), in a short transaction of its own, so that the single
+    /// writer is not held long. Returns the jobs deleted.
     async fn delete_past_retention(&self, cutoff: i64, batch: u32) -> StoreResult<u64> {
         let mut tx = self.begin().await?;
         let deleted = sqlx::query(
@@ -349,6 +351,20 @@ impl SqliteStore {
         .execute(&mut *tx)
         .await?
         .rows_affected();
+        sqlx::query(
+            "DELETE FROM workers WHERE rowid IN (
+                SELECT w.rowid FROM workers w
+                WHERE w.last_lease_at < ?1
+                  AND NOT EXISTS (SELECT 1 FROM jobs j
+                                  WHERE j.tenant = w.tenant AND j.state = 'running'
+                                    AND j.lease_owner = w.worker_id)
+                LIMIT ?2
+             )",
+        )
+        .bind(cutoff)
+        .bind(i64::from(batch))
+        .execute(&mut *tx)
+        .await?;
         self.commit(tx, &Changes::default()).await?;
         Ok(deleted)
     }
