@@ -22,6 +22,7 @@ common::backend_tests!(
     work_cancel_kills_the_child,
     work_result_over_the_limit_fails_clearly,
     work_with_a_command_it_cannot_find_refuses_to_start,
+    work_keeps_a_result_made_on_sigterm_at_shutdown,
 );
 
 const TENANT: &str = "acme";
@@ -52,6 +53,10 @@ case "$INTRAY_KIND" in
     wait ;;
   big)
     head -c 2000000 /dev/zero | tr '\0' 'x' ;;
+  finish-on-term)
+    trap 'echo "\"finished on TERM\""; exit 0' TERM
+    echo started > "$WORK_DIR/$INTRAY_JOB_ID.started"
+    while :; do sleep 0.1; done ;;
   *)
     echo "unknown kind $INTRAY_KIND" >&2; exit 2 ;;
 esac
@@ -324,5 +329,30 @@ async fn work_result_over_the_limit_fails_clearly(backend: Backend) {
         "the message gives the size and the limit: {message:?}"
     );
     worker.stop().await;
+    server.stop().await;
+}
+
+/// A command still running when the shutdown grace ends gets SIGTERM; one
+/// that finishes its work then and exits 0 has its result kept, rather
+/// than its job run again as `worker_shutdown`.
+async fn work_keeps_a_result_made_on_sigterm_at_shutdown(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let worker = WorkProcess::start(&server, &[]).await;
+    let job = submit(&mut jobs, "shell", "finish-on-term", json!({})).await;
+    let started = worker.path(&format!("{}.started", job.id));
+    within(LONG, "the command to start", async {
+        while !started.exists() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    worker.stop().await;
+    let done = wait_for_state(&mut jobs, &job.id, St::Succeeded, LONG).await;
+    assert_eq!(
+        done.result.as_ref().map(value_to_json),
+        Some(json!("finished on TERM"))
+    );
+    assert_eq!(done.attempt, 1);
     server.stop().await;
 }

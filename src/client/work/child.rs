@@ -12,7 +12,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, Command};
 use tokio_util::sync::CancellationToken;
 
-use crate::worker::{Job, JobContext, JobError};
+use crate::worker::{CancelReason, Job, JobContext, JobError};
 
 /// `EX_TEMPFAIL` from sysexits.h: "try again later".
 pub const EXIT_RETRYABLE: i32 = 75;
@@ -107,7 +107,20 @@ impl CommandSpec {
             () = ctx.cancelled() => {
                 let status = self.terminate(&mut child, pid).await;
                 tracing::info!(job_id = %job.id, ?status, reason = ?ctx.cancel_reason(), "command stopped");
-                return Err(JobError::retryable("command_stopped", format!("stopped: {:?}", ctx.cancel_reason())));
+                // A command that finished its work on SIGTERM at shutdown
+                // (exit 0) has its result read and reported like any
+                // other: the worker keeps a success after the shutdown
+                // signal rather than running the job again.
+                let finished = ctx.cancel_reason() == Some(CancelReason::Shutdown)
+                    && status.is_some_and(|s| s.success());
+                if !finished {
+                    stop_reading.cancel();
+                    if let Some(task) = &stdin {
+                        task.abort();
+                    }
+                    return Err(JobError::retryable("command_stopped", format!("stopped: {:?}", ctx.cancel_reason())));
+                }
+                status.ok_or_else(|| std::io::Error::other("the command's status was lost"))
             }
         };
         // Whatever the command left running in its group would hold the
