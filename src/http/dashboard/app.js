@@ -466,8 +466,10 @@ async function replayMatching(filter) {
     say('No failed job matches, nothing to replay.');
     return;
   }
+  // The confirmed count is the limit: jobs failing after the count are
+  // not replayed without being asked about (the server caps it at 10,000).
   await act('Replay ' + matched + ' failed job' + (matched === 1 ? '' : 's') + describe(filter) + '?',
-    () => call('POST', '/jobs:retry', { filter }),
+    () => call('POST', '/jobs:retry', { filter, limit: Math.min(matched, 10000) }),
     (r) => 'Replayed ' + (r.retried || []).length + ' of ' + num(r.matched) + ' matching jobs; they are queued again.');
 }
 
