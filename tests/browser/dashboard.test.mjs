@@ -195,6 +195,17 @@ async function main() {
     await page.waitForFunction(() => document.querySelectorAll('#jobs tbody tr[data-job]').length === 5);
     await page.screenshot({ path: join(SHOTS, 'dashboard-jobs.png'), fullPage: true });
 
+    // "Next page" shows more rows, and live refresh leaves them be.
+    await api('POST', '/jobs:batch', { jobs: Array.from({ length: 60 }, (_, i) => ({ queue: 'paged', kind: 'k', payload: { i } })) });
+    await page.goto(base + '/#/jobs?queue=paged');
+    await page.waitForFunction(() => document.querySelectorAll('#jobs tbody tr[data-job]').length === 50);
+    await page.locator('#jobs-more').click();
+    await page.waitForFunction(() => document.querySelectorAll('#jobs tbody tr[data-job]').length === 60);
+    await page.waitForTimeout(4000);
+    check((await page.locator('#jobs tbody tr[data-job]').count()) === 60, 'the second page outlives a live refresh');
+    await page.goto(base + '/#/jobs?queue=llm&state=failed');
+    await page.waitForFunction(() => document.querySelectorAll('#jobs tbody tr[data-job]').length === 5);
+
     // A failed job's timeline.
     await page.locator('#jobs tbody tr[data-job] a').first().click();
     await page.waitForFunction(() => document.querySelectorAll('#timeline li').length >= 3);

@@ -233,7 +233,13 @@ function jobRow(job) {
     cell(when(job.updatedAt)));
 }
 
+// Whether the jobs view shows pages past the first ("Next page"): live
+// refresh would put it back on the first, so it holds off until the view
+// is rendered afresh (a new filter, another view).
+let morePages = false;
+
 async function renderJobs(params, append) {
+  morePages = append;
   const query = new URLSearchParams(params);
   if (append && nextPage) query.set('page_token', nextPage);
   query.set('page_size', '50');
@@ -522,7 +528,8 @@ function schedule() {
       const { path } = routeParams();
       // A job page is live through its event stream; forms are not reset while typed in.
       // One render at a time: a slow one is not joined by the next tick's.
-      if (!rendering && !path.startsWith('/job/') && !document.querySelector('dialog[open]') && !document.activeElement.closest('form')) render();
+      const paging = path.startsWith('/jobs') && morePages;
+      if (!rendering && !paging && !path.startsWith('/job/') && !document.querySelector('dialog[open]') && !document.activeElement.closest('form')) render();
     }, REFRESH_MS);
   }
 }
