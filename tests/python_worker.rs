@@ -196,7 +196,7 @@ async fn python_worker_end_to_end(backend: Backend) {
     let busy = submit(&mut jobs, "py", "sleep", json!({"seconds": 2})).await;
     wait_for_state(&mut jobs, &busy.id, St::Running, LONG).await;
     // Counted once the worker holds the job: its earlier reports are answered.
-    let chained_before = worker_calls_ok(server.http_addr, "CompleteAndLease").await;
+    let chained_before = settled_worker_calls_ok(server.http_addr, "CompleteAndLease").await;
     let mut queued = Vec::new();
     for n in 0..5 {
         queued.push(submit(&mut jobs, "py", "echo", json!({"n": n})).await.id);
@@ -206,7 +206,8 @@ async fn python_worker_end_to_end(backend: Backend) {
         let done = wait_for_state(&mut jobs, id, St::Succeeded, LONG).await;
         assert_eq!(done.attempt, 1, "job {id} ran more than once");
     }
-    let chained = worker_calls_ok(server.http_addr, "CompleteAndLease").await - chained_before;
+    let chained =
+        settled_worker_calls_ok(server.http_addr, "CompleteAndLease").await - chained_before;
     assert_eq!(chained, 6.0, "one CompleteAndLease per outcome");
     assert_eq!(
         worker_calls_ok(server.http_addr, "Complete").await,

@@ -880,6 +880,22 @@ pub async fn worker_calls_ok(addr: SocketAddr, method: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// [`worker_calls_ok`] once it has stopped moving: the server counts a call
+/// when it answers it, a moment after the commit a test sees, so a count
+/// read right after a state change may still lack the call that made it.
+pub async fn settled_worker_calls_ok(addr: SocketAddr, method: &str) -> f64 {
+    let mut last = worker_calls_ok(addr, method).await;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let now = worker_calls_ok(addr, method).await;
+        if now == last {
+            return now;
+        }
+        last = now;
+    }
+    last
+}
+
 /// `name{labels} value` lines as a map from `name{labels}` to the value.
 pub fn parse(text: &str) -> HashMap<String, f64> {
     text.lines()
