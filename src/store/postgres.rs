@@ -792,6 +792,13 @@ async fn save_unchanged(
 /// plans last) as a scan of all jobs, or of the tenant's, filtered by id. A
 /// row updated between the probe and the write (only possible for a
 /// version-checked one) has moved on, and is left as it is.
+///
+/// The probe locks each row, skipping one another transaction holds: the
+/// statement then never waits for a row. An unlocked write that waited
+/// would hold rows in tuple order while a locked batch holds them in id
+/// order, and the two could deadlock; a row skipped here is unwritten, so
+/// its caller redoes it under lock. A locked caller's own locks never make
+/// a row skip.
 macro_rules! write_ctes {
     () => {
         "input AS (
@@ -813,7 +820,8 @@ macro_rules! write_ctes {
             updated_at = i.updated_at, finished_at = i.finished_at, event_seq = i.event_seq
         FROM input i
         WHERE j.ctid = ANY(ARRAY(
-                  SELECT (SELECT f.ctid FROM jobs f WHERE f.tenant = w.tenant AND f.id = w.id)
+                  SELECT (SELECT f.ctid FROM jobs f WHERE f.tenant = w.tenant AND f.id = w.id
+                          FOR NO KEY UPDATE SKIP LOCKED)
                   FROM input w))
           AND j.id = i.id AND j.event_seq = i.event_seq - 1
           AND (i.row_version IS NULL OR j.xmin::text = i.row_version)
@@ -2863,20 +2871,7 @@ mod tests {
             waiters.push(tokio::spawn(async move {
                 store.complete_locked("default", items).await
             }));
-            let mut admin = PgConnection::connect(&scratch.url).await.expect("connect");
-            loop {
-                let waiting: i64 = sqlx::query_scalar(
-                    "SELECT count(*) FROM pg_stat_activity
-                     WHERE datname = current_database() AND wait_event_type = 'Lock'",
-                )
-                .fetch_one(&mut admin)
-                .await
-                .expect("count the waiters");
-                if waiting > i64::try_from(i).expect("small") {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
+            await_lock_waiters(&scratch.url, i + 1).await;
         }
         sqlx::raw_sql("COMMIT")
             .execute(&mut db)
@@ -2885,6 +2880,102 @@ mod tests {
         let mut succeeded = 0;
         for waiter in waiters {
             let results = waiter
+                .await
+                .expect("joined")
+                .expect("no batch fails as a whole");
+            succeeded += results.iter().filter(|r| r.is_ok()).count();
+        }
+        assert_eq!(succeeded, 2, "each job ended once");
+        drop(store);
+        drop(db);
+        scratch.drop().await;
+    }
+
+    /// Waits until at least `n` sessions of the database at `url` wait for
+    /// a lock.
+    async fn await_lock_waiters(url: &str, n: usize) {
+        let mut admin = PgConnection::connect(url).await.expect("connect");
+        let n = i64::try_from(n).expect("small");
+        loop {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(&mut admin)
+            .await
+            .expect("count the waiters");
+            if waiting >= n {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// An unlocked `Complete` write and a locked batch naming the same two
+    /// jobs do not deadlock, though the locked batch locks them in id order
+    /// and the write would in tuple order: the write skips a row it cannot
+    /// lock at once and redoes it under lock.
+    #[tokio::test]
+    async fn an_unlocked_and_a_locked_complete_do_not_deadlock() {
+        let scratch = Scratch::new("intray_lock_paths").await;
+        let store = Arc::new(scratch.store().await);
+        let mut db = PgConnection::connect(&scratch.url).await.expect("connect");
+        store
+            .submit("default", vec![new_job(), new_job()])
+            .await
+            .expect("submit");
+        let mut leased = store
+            .lease("default", &[lease_spec("w", 2)])
+            .await
+            .expect("lease")
+            .concat();
+        leased.sort_by_key(|job| job.id);
+        // The first job by id moved past the second in tuple order, so that
+        // the two orders differ.
+        sqlx::query("UPDATE jobs SET updated_at = updated_at WHERE id = $1")
+            .bind(leased[0].id)
+            .execute(&mut db)
+            .await
+            .expect("move the first job");
+        let by_tuple: Vec<Uuid> = sqlx::query_scalar("SELECT id FROM jobs ORDER BY ctid")
+            .fetch_all(&mut db)
+            .await
+            .expect("read the tuple order");
+        assert_eq!(by_tuple, vec![leased[1].id, leased[0].id]);
+        let success = || Outcome::Success {
+            result: serde_json::json!(1),
+        };
+        let outcomes = vec![
+            outcome_for(&leased[0], success()),
+            outcome_for(&leased[1], success()),
+        ];
+        // The first job held: the locked batch queues behind it holding
+        // nothing, and the write, which takes the second job first, too.
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "BEGIN; SELECT 1 FROM jobs WHERE id = '{}' FOR UPDATE",
+            leased[0].id
+        )))
+        .execute(&mut db)
+        .await
+        .expect("hold the first job");
+        let locked = {
+            let store = Arc::clone(&store);
+            let items = outcomes.clone();
+            tokio::spawn(async move { store.complete_locked("default", items).await })
+        };
+        await_lock_waiters(&scratch.url, 1).await;
+        // Through another replica, which reads the rows as they are now,
+        // the moved one included, without the versions its lease left.
+        let replica = scratch.store().await;
+        let unlocked = tokio::spawn(async move { replica.complete("default", outcomes).await });
+        await_lock_waiters(&scratch.url, 2).await;
+        sqlx::raw_sql("COMMIT")
+            .execute(&mut db)
+            .await
+            .expect("release the first job");
+        let mut succeeded = 0;
+        for batch in [locked, unlocked] {
+            let results = batch
                 .await
                 .expect("joined")
                 .expect("no batch fails as a whole");
