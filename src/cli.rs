@@ -231,6 +231,17 @@ pub struct ServeArgs {
     #[arg(long, env = "INTRAY_HTTP_ADDR", default_value = "0.0.0.0:8080")]
     pub http_addr: SocketAddr,
 
+    /// Host names the HTTP port answers to besides IP addresses and localhost
+    /// (`*.example.com` for names under it, `*` for all). Default: all with
+    /// --auth-file, none without (DNS rebinding).
+    #[arg(
+        long,
+        env = "INTRAY_HTTP_ALLOWED_HOSTS",
+        value_delimiter = ',',
+        value_name = "NAMES"
+    )]
+    pub http_allowed_hosts: Option<Vec<String>>,
+
     /// Log lines as `text` or `json` (filtered by RUST_LOG).
     #[arg(long, env = "INTRAY_LOG_FORMAT", default_value = "text")]
     pub log_format: crate::telemetry::LogFormat,
@@ -334,6 +345,7 @@ impl ServeArgs {
         s.queue_max_running_per_tenant =
             self.queue_max_running_per_tenant.iter().cloned().collect();
         s.auth_file = self.auth_file.clone();
+        s.http_allowed_hosts = self.http_allowed_hosts.clone();
         s.reload_interval = self.reload_interval;
         s.tls = match (&self.tls_cert, &self.tls_key) {
             (Some(cert), Some(key)) => Some(TlsFiles {

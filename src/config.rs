@@ -61,6 +61,10 @@ pub struct Settings {
     pub breaker: crate::domain::breaker::BreakerPolicy,
     /// Token file (see `auth::file`); `None` is open development mode.
     pub auth_file: Option<PathBuf>,
+    /// Host names the HTTP port answers to besides IP addresses and
+    /// `localhost` (see `http::AllowedHosts`); `None`: every name with a
+    /// token file, none without.
+    pub http_allowed_hosts: Option<Vec<String>>,
     /// How often the token file and TLS files are checked for changes.
     pub reload_interval: Duration,
     /// TLS on the gRPC port; `None` is plaintext.
@@ -141,6 +145,7 @@ impl Settings {
                     .to_vec(),
             },
             auth_file: None,
+            http_allowed_hosts: None,
             reload_interval: Duration::from_secs(5),
             tls: None,
             rpc_timeout: Duration::from_secs(30),

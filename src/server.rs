@@ -96,6 +96,11 @@ pub async fn run_with(
 ) -> Result<(), ServerError> {
     // Files first: a bad token file or certificate fails before migrations.
     let tokens = Arc::new(token_source(&settings)?);
+    let hosts = crate::http::AllowedHosts::new(
+        settings.http_allowed_hosts.as_deref(),
+        settings.auth_file.is_none(),
+    )
+    .map_err(ServerError::Settings)?;
     let tls = match &settings.tls {
         Some(files) => Some(Arc::new(TlsState::load(files.clone())?)),
         None => None,
@@ -207,7 +212,13 @@ pub async fn run_with(
             http_limits,
             Arc::clone(&metrics),
         );
-        let app = crate::http::router(Arc::new(gateway), Arc::new(ingress), metrics, http_tracing);
+        let app = crate::http::router(
+            Arc::new(gateway),
+            Arc::new(ingress),
+            metrics,
+            http_tracing,
+            hosts,
+        );
         tokio::spawn(crate::http::serve(listener, app, tls.clone(), stop.clone()))
     });
     let mut watchers = Vec::new();

@@ -177,7 +177,7 @@ async fn missing_or_unknown_token_is_unauthenticated(backend: Backend) {
             .map(|t| format!("Authorization: Bearer {t}\r\n"))
             .unwrap_or_default();
         let request =
-            format!("GET /metrics HTTP/1.1\r\nHost: intray\r\n{auth}Connection: close\r\n\r\n");
+            format!("GET /metrics HTTP/1.1\r\nHost: localhost\r\n{auth}Connection: close\r\n\r\n");
         async move { http_exchange(addr, &request).await }
     };
     let (head, _) = scrape_as(None).await;

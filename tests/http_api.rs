@@ -31,6 +31,7 @@ backend_tests!(
     submit_batch_answers_each_item,
     openapi_lists_every_route_the_router_serves,
     dashboard_and_metrics_are_served,
+    unknown_host_names_are_refused_in_open_mode,
 );
 
 /// One HTTP answer.
@@ -78,6 +79,7 @@ impl Reply {
 #[derive(Clone)]
 struct Http {
     addr: SocketAddr,
+    host: String,
     headers: Vec<(String, String)>,
 }
 
@@ -85,8 +87,15 @@ impl Http {
     fn new(server: &TestServer) -> Http {
         Http {
             addr: server.http_addr,
+            host: "localhost".into(),
             headers: Vec::new(),
         }
+    }
+
+    /// Requests naming `host` as the server's host name.
+    fn host(mut self, host: &str) -> Http {
+        self.host = host.into();
+        self
     }
 
     fn with(mut self, name: &str, value: &str) -> Http {
@@ -114,7 +123,7 @@ impl Http {
         let mut request = hyper::Request::builder()
             .method(method)
             .uri(path)
-            .header("host", "intray");
+            .header("host", &self.host);
         for (name, value) in &self.headers {
             request = request.header(name, value);
         }
@@ -929,5 +938,77 @@ async fn dashboard_and_metrics_are_served(backend: Backend) {
     ] {
         assert!(text.lines().any(|l| l == line), "no {line} in\n{text}");
     }
+    server.stop().await;
+}
+
+/// DNS rebinding: without a token file the port answers only to IP
+/// addresses, `localhost` and the names it is given; the webhook ingress,
+/// which its signature guards, to every name. With a token file every name
+/// is answered.
+async fn unknown_host_names_are_refused_in_open_mode(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let port = server.http_addr.port();
+    let rebound = Http::new(&server).host(&format!("rebound.example:{port}"));
+    for path in ["/api/v1/stats", "/", "/metrics"] {
+        rebound
+            .get(path)
+            .await
+            .expect_error(403, "PERMISSION_DENIED");
+    }
+    rebound
+        .post("/api/v1/jobs", job_body("q", "k", json!({})))
+        .await
+        .expect_error(403, "PERMISSION_DENIED");
+    let hook = rebound.post("/hooks/nowhere", json!({})).await;
+    assert_eq!(hook.status, 404, "the ingress answers every name");
+    for host in [
+        format!("localhost:{port}"),
+        format!("127.0.0.1:{port}"),
+        format!("[::1]:{port}"),
+    ] {
+        assert_eq!(
+            Http::new(&server)
+                .host(&host)
+                .get("/api/v1/stats")
+                .await
+                .status,
+            200,
+            "{host}"
+        );
+    }
+    let listed = server
+        .start_replica_with(|s| s.http_allowed_hosts = Some(vec!["intray.test".into()]))
+        .await;
+    assert_eq!(
+        Http::new(&listed)
+            .host("intray.test:1")
+            .get("/")
+            .await
+            .status,
+        200
+    );
+    Http::new(&listed)
+        .host("rebound.example")
+        .get("/")
+        .await
+        .expect_error(403, "PERMISSION_DENIED");
+    listed.stop().await;
+    server.stop().await;
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("tokens");
+    std::fs::write(&file, format!("{PRODUCER} acme producer\n")).expect("write token file");
+    let server = TestServer::start_with(backend, |s| s.auth_file = Some(file)).await;
+    let reply = Http::new(&server)
+        .host("intray.jobs.svc")
+        .token(PRODUCER)
+        .post("/api/v1/jobs", job_body("q", "k", json!({})))
+        .await;
+    assert_eq!(
+        reply.status,
+        202,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
     server.stop().await;
 }

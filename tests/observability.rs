@@ -223,7 +223,7 @@ async fn http_submit(
 ) -> (String, serde_json::Value) {
     let body = body.to_string();
     let request = format!(
-        "POST /api/v1/jobs HTTP/1.1\r\nHost: intray\r\nConnection: close\r\n\
+        "POST /api/v1/jobs HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\
          Content-Type: application/json\r\nx-intray-tenant: acme\r\n\
          traceparent: {traceparent}\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()

@@ -92,7 +92,7 @@ async fn a_stalled_http_request_holds_shutdown_only_its_grace(backend: Backend) 
         .expect("connect to the HTTP port");
     stalled
         .write_all(
-            b"POST /api/v1/jobs HTTP/1.1\r\nHost: intray\r\nContent-Type: application/json\r\n\
+            b"POST /api/v1/jobs HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
               x-intray-tenant: t\r\nContent-Length: 100\r\n\r\n{",
         )
         .await

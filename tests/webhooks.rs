@@ -96,7 +96,7 @@ async fn send(
         .expect("HTTP/1.1 handshake");
     tokio::spawn(conn);
     let request = request
-        .header("host", "intray")
+        .header("host", "localhost")
         .body(Full::new(Bytes::from(body)))
         .expect("request");
     let response = within(

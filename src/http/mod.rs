@@ -9,6 +9,7 @@
 //! - `error`: the one mapping from a failed call to an HTTP status and a
 //!   `{code, message, details}` body.
 //! - `hooks`: `POST /hooks/{source}`, provider webhooks that become jobs.
+//! - `host`: the host names the port answers to (DNS rebinding).
 //! - `openapi`: the OpenAPI document; `dashboard`: the embedded static page.
 //! - `listener`: serving the port, over TLS when configured.
 //!
@@ -20,6 +21,7 @@ mod dashboard;
 mod error;
 mod gateway;
 mod hooks;
+mod host;
 mod jobs;
 mod listener;
 mod openapi;
@@ -28,6 +30,7 @@ mod sse;
 
 pub use gateway::{Gateway, Limits};
 pub use hooks::Ingress;
+pub use host::AllowedHosts;
 pub use listener::serve;
 
 use std::sync::Arc;
@@ -54,12 +57,13 @@ const TEXT_FORMAT: &str = "text/plain; version=0.0.4; charset=utf-8";
 /// in memory (the database gauges are refreshed on a timer); with a token
 /// file it needs a token of the metrics or admin role, since the labels
 /// name every tenant, queue and kind, and the port is reachable by webhook
-/// providers.
+/// providers. Every route but the ingress answers only to `hosts`.
 pub fn router(
     gateway: Arc<Gateway>,
     ingress: Arc<Ingress>,
     metrics: Arc<Metrics>,
     tracing: Tracing,
+    hosts: AllowedHosts,
 ) -> Router {
     let scrape_gate = Arc::clone(&gateway);
     let api = Router::new()
@@ -83,19 +87,25 @@ pub fn router(
         .route("/hooks/{source}", post(hooks::receive))
         .layer(DefaultBodyLimit::disable())
         .with_state(ingress);
-    api.merge(hooks).merge(dashboard::router()).route(
-        "/metrics",
-        get(move |headers: HeaderMap| {
-            let metrics = Arc::clone(&metrics);
-            let gate = Arc::clone(&scrape_gate);
-            async move {
-                if let Err(status) = gate.may_scrape(&headers) {
-                    return HttpError::Rpc(status).into_response();
+    api.merge(dashboard::router())
+        .route(
+            "/metrics",
+            get(move |headers: HeaderMap| {
+                let metrics = Arc::clone(&metrics);
+                let gate = Arc::clone(&scrape_gate);
+                async move {
+                    if let Err(status) = gate.may_scrape(&headers) {
+                        return HttpError::Rpc(status).into_response();
+                    }
+                    ([(header::CONTENT_TYPE, TEXT_FORMAT)], metrics.render()).into_response()
                 }
-                ([(header::CONTENT_TYPE, TEXT_FORMAT)], metrics.render()).into_response()
-            }
-        }),
-    )
+            }),
+        )
+        .layer(axum::middleware::from_fn_with_state(
+            hosts,
+            host::refuse_unknown_host,
+        ))
+        .merge(hooks)
 }
 
 /// Refuses a request to the JSON API that changes something and that a

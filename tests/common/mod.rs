@@ -840,7 +840,7 @@ pub async fn within<T>(d: Duration, what: &str, fut: impl Future<Output = T>) ->
 pub async fn scrape(addr: SocketAddr) -> String {
     let (head, body) = http_exchange(
         addr,
-        "GET /metrics HTTP/1.1\r\nHost: intray\r\nConnection: close\r\n\r\n",
+        "GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
     )
     .await;
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
