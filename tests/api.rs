@@ -34,6 +34,7 @@ common::backend_tests!(
     stale_lease_token,
     lease_expiry_reclaims,
     unreadable_rows_are_set_aside,
+    a_reaper_batch_of_unreadable_rows_does_not_stall_it,
     not_found_and_tenant_isolation,
     reflection_and_health,
     list_filters_and_pagination,
@@ -1700,6 +1701,51 @@ async fn lease_expiry_reclaims(backend: Backend) {
         "lease_expired",
         "a lost lease on the last attempt is a lease_expired failure"
     );
+    server.stop().await;
+}
+
+/// A full reaper batch (500) of unreadable expired leases at the head of
+/// the reaper's order does not keep it from the readable ones behind:
+/// the next pass reads past the rows the last one left out.
+async fn a_reaper_batch_of_unreadable_rows_does_not_stall_it(backend: Backend) {
+    let server = TestServer::start_with(backend, |s| {
+        s.reaper_interval = Duration::from_millis(200);
+    })
+    .await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+    let items = (0..500)
+        .map(|i| submit_req("bad", "k", json!({ "n": i })))
+        .collect();
+    jobs.submit_batch(pb::SubmitBatchRequest { jobs: items })
+        .await
+        .expect("SubmitBatch");
+    // Broken while queued: the claims below lease them to nobody (see
+    // `unreadable_rows_are_set_aside`), so their leases run out first.
+    let url = &server.settings.database_url;
+    let sql = "UPDATE jobs SET labels = '[1]' WHERE queue = 'bad' RETURNING CAST(1 AS BIGINT)";
+    db_integers(backend, url, sql, &[]).await;
+    let sql = "SELECT count(*) FROM jobs WHERE queue = 'bad' AND labels = '[1]'";
+    assert_eq!(db_integers(backend, url, sql, &[]).await, [500]);
+    for _ in 0..5 {
+        let got = workers
+            .lease(short_lease_req("w", "bad", 100, Duration::ZERO))
+            .await
+            .expect("Lease")
+            .into_inner()
+            .jobs;
+        assert!(got.is_empty(), "unreadable jobs are not answered");
+    }
+    let good = submit(&mut jobs, "good", "k", json!({})).await;
+    let leased = workers
+        .lease(short_lease_req("gone", "good", 1, Duration::ZERO))
+        .await
+        .expect("Lease")
+        .into_inner()
+        .jobs;
+    assert_eq!(leased.len(), 1);
+    let back = wait_for_state(&mut jobs, &good.id, St::Queued, Duration::from_secs(10)).await;
+    assert_eq!(back.attempt, 1, "reclaimed behind 500 unreadable rows");
     server.stop().await;
 }
 

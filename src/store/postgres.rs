@@ -2162,13 +2162,14 @@ impl Store for PgStore {
 
     #[tracing::instrument(name = "store.reap", skip_all)]
     async fn reap(&self, batch: u32, retention: Duration) -> StoreResult<Reaped> {
+        let limit = self.unreadable.reaper_limit(batch);
         let mut tx = self.pool.begin().await?;
         let expired_leases = sqlx::query(
             "SELECT *, now() AS db_now FROM jobs
              WHERE state = 'running' AND lease_expires_at <= now()
              ORDER BY lease_expires_at LIMIT $1 FOR UPDATE SKIP LOCKED",
         )
-        .bind(i64::from(batch))
+        .bind(i64::from(limit))
         .fetch_all(&mut *tx)
         .await?;
         let past_deadline = sqlx::query(
@@ -2176,26 +2177,26 @@ impl Store for PgStore {
              WHERE state = 'queued' AND deadline <= now()
              ORDER BY deadline LIMIT $1 FOR UPDATE SKIP LOCKED",
         )
-        .bind(i64::from(batch))
+        .bind(i64::from(limit))
         .fetch_all(&mut *tx)
         .await?;
+        let (expired_jobs, past_jobs) = self.unreadable.reaper_readable(
+            (&expired_leases, &past_deadline),
+            job_from_row,
+            row_id,
+            batch,
+        );
         let mut changes = Changes::default();
-        let mut reclaimed = Vec::with_capacity(expired_leases.len());
-        for (row, mut job) in
-            self.unreadable
-                .readable(&expired_leases, job_from_row, row_id, "the reaper")
-        {
+        let mut reclaimed = Vec::with_capacity(expired_jobs.len());
+        for (row, mut job) in expired_jobs {
             let now: DateTime<Utc> = row.try_get("db_now")?;
             let attempt = job.running_attempt();
             let event = transition::lease_expired(&mut job, now);
             changes.job_event(&job, &event);
             reclaimed.push((attempt, job, event));
         }
-        let mut past = Vec::with_capacity(past_deadline.len());
-        for (row, mut job) in
-            self.unreadable
-                .readable(&past_deadline, job_from_row, row_id, "the reaper")
-        {
+        let mut past = Vec::with_capacity(past_jobs.len());
+        for (row, mut job) in past_jobs {
             let now: DateTime<Utc> = row.try_get("db_now")?;
             let event = transition::deadline_passed(&mut job, now);
             changes.job_event(&job, &event);

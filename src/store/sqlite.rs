@@ -1190,6 +1190,7 @@ impl Store for SqliteStore {
 
     #[tracing::instrument(name = "store.reap", skip_all)]
     async fn reap(&self, batch: u32, retention: Duration) -> StoreResult<Reaped> {
+        let limit = self.unreadable.reaper_limit(batch);
         let mut tx = self.begin().await?;
         let now = stored_now();
         let expired_leases = sqlx::query(
@@ -1197,7 +1198,7 @@ impl Store for SqliteStore {
              ORDER BY lease_expires_at LIMIT ?2",
         )
         .bind(ms(now))
-        .bind(i64::from(batch))
+        .bind(i64::from(limit))
         .fetch_all(&mut *tx)
         .await?;
         let past_deadline = sqlx::query(
@@ -1205,26 +1206,26 @@ impl Store for SqliteStore {
              ORDER BY deadline LIMIT ?2",
         )
         .bind(ms(now))
-        .bind(i64::from(batch))
+        .bind(i64::from(limit))
         .fetch_all(&mut *tx)
         .await?;
+        let (expired_jobs, past_jobs) = self.unreadable.reaper_readable(
+            (&expired_leases, &past_deadline),
+            job_from_row,
+            row_id,
+            batch,
+        );
         let mut changes = Changes::default();
-        let mut reclaimed = Vec::with_capacity(expired_leases.len());
-        for (_, mut job) in
-            self.unreadable
-                .readable(&expired_leases, job_from_row, row_id, "the reaper")
-        {
+        let mut reclaimed = Vec::with_capacity(expired_jobs.len());
+        for (_, mut job) in expired_jobs {
             let attempt = job.running_attempt();
             let event = transition::lease_expired(&mut job, now);
             save(&mut tx, &job, &event).await?;
             changes.job_event(&job, &event);
             reclaimed.push((attempt, job, event));
         }
-        let mut expired = Vec::with_capacity(past_deadline.len());
-        for (_, mut job) in
-            self.unreadable
-                .readable(&past_deadline, job_from_row, row_id, "the reaper")
-        {
+        let mut expired = Vec::with_capacity(past_jobs.len());
+        for (_, mut job) in past_jobs {
             let event = transition::deadline_passed(&mut job, now);
             save(&mut tx, &job, &event).await?;
             changes.job_event(&job, &event);
