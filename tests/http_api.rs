@@ -23,6 +23,7 @@ backend_tests!(
     list_filters_and_pages,
     cancel_and_its_errors,
     retry_by_filter_with_dry_run,
+    dead_set_is_grouped_by_error_class_and_queue,
     stats_and_pause_resume,
     event_stream_resumes_after_last_event_id,
     open_event_stream_ends_at_shutdown,
@@ -509,6 +510,64 @@ async fn retry_by_filter_with_dry_run(backend: Backend) {
     server.stop().await;
 }
 
+/// `GET /api/v1/dead-set`: the tenant's failed jobs counted per error
+/// class and queue, most first, under the replay filter's fields.
+async fn dead_set_is_grouped_by_error_class_and_queue(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let http = Http::new(&server);
+    let mut grpc = server.jobs_client("default");
+    let mut workers = server.workers_client("default");
+    for (queue, class) in [
+        ("a", "timeout"),
+        ("b", "timeout"),
+        ("a", "bad_input"),
+        ("a", "timeout"),
+    ] {
+        make_failed(&mut grpc, &mut workers, queue, class).await;
+    }
+    // Neither another tenant's failed job nor a queued one counts.
+    make_failed(
+        &mut server.jobs_client("other"),
+        &mut server.workers_client("other"),
+        "a",
+        "timeout",
+    )
+    .await;
+    submit(&mut grpc, "a", "k", json!({})).await;
+    let group = |class: &str, queue: &str, jobs: u64| json!({"error_class": class, "queue": queue, "jobs": jobs, "cost_cents": 0});
+    let all = http.get("/api/v1/dead-set").await;
+    assert_eq!(all.status, 200);
+    assert_eq!(
+        all.json(),
+        json!({"complete": true, "groups": [
+            group("timeout", "a", 2),
+            group("bad_input", "a", 1),
+            group("timeout", "b", 1),
+        ]})
+    );
+    assert_eq!(
+        http.get("/api/v1/dead-set?queue=b").await.json()["groups"],
+        json!([group("timeout", "b", 1)])
+    );
+    assert_eq!(
+        http.get("/api/v1/dead-set?error_class=bad_input&kind=fail")
+            .await
+            .json()["groups"],
+        json!([group("bad_input", "a", 1)])
+    );
+    assert_eq!(
+        http.get("/api/v1/dead-set?state=cancelled").await.json(),
+        json!({"complete": true, "groups": []})
+    );
+    http.get("/api/v1/dead-set?state=queued")
+        .await
+        .expect_error(400, "INVALID_ARGUMENT");
+    http.get("/api/v1/dead-set?page_size=3")
+        .await
+        .expect_error(400, "INVALID_ARGUMENT");
+    server.stop().await;
+}
+
 fn queue_stats<'a>(stats: &'a Value, queue: &str) -> &'a Value {
     stats["queues"]
         .as_array()
@@ -881,6 +940,7 @@ async fn openapi_lists_every_route_the_router_serves(backend: Backend) {
         "POST /api/v1/jobs/{id}:cancel",
         "GET /api/v1/jobs/{id}/events",
         "GET /api/v1/jobs/{id}/deliveries",
+        "GET /api/v1/dead-set",
         "POST /api/v1/jobs:retry",
         "POST /api/v1/jobs:batch",
         "GET /api/v1/stats",

@@ -23,6 +23,9 @@ use crate::telemetry::rpc::CallTrace;
 
 /// Events fetched per read of a watched job.
 const WATCH_BATCH: u32 = 500;
+/// Most jobs [`JobsApi::dead_set`] counts: each is a row read, and the
+/// dashboard asks again on every refresh.
+const GROUPED_JOBS: u32 = 100_000;
 /// Workers seen within this window are listed by `Stats`.
 const WORKERS_WINDOW: Duration = Duration::from_secs(300);
 
@@ -61,6 +64,38 @@ impl JobsApi {
         Ok(Response::new(
             serde_json::json!({ "deliveries": deliveries }),
         ))
+    }
+
+    /// The jobs a replay filter matches, grouped by error class and queue,
+    /// as JSON for `GET /api/v1/dead-set` (not in the proto: the
+    /// dashboard's dead-set view). Counts at most [`GROUPED_JOBS`] of them;
+    /// `complete` says whether that was all.
+    pub async fn dead_set(
+        &self,
+        request: Request<pb::RetryFilter>,
+    ) -> Result<Response<serde_json::Value>, Status> {
+        let tenant = tenant_of(&request)?;
+        let f = request.get_ref();
+        let states = convert::from_states("states", &f.states)?;
+        let mut filter = validate::retry_filter(&f.queue, &f.kind, &f.error_class, states, None)?;
+        filter.limit = GROUPED_JOBS;
+        let grouped = self.ctx.store.group_matching(&tenant, &filter).await?;
+        let groups: Vec<serde_json::Value> = grouped
+            .groups
+            .iter()
+            .map(|g| {
+                serde_json::json!({
+                    "error_class": g.error_class,
+                    "queue": g.queue,
+                    "jobs": g.jobs,
+                    "cost_cents": g.cost_cents,
+                })
+            })
+            .collect();
+        Ok(Response::new(serde_json::json!({
+            "groups": groups,
+            "complete": grouped.complete,
+        })))
     }
 
     /// Lets a job into its queue, under the queue's bound. A job refused for

@@ -125,6 +125,22 @@ pub async fn deliveries(
     Ok(json(StatusCode::OK, &listing))
 }
 
+/// `GET /api/v1/dead-set?...`: the jobs of a replay filter grouped by
+/// error class and queue (see [`query::dead_set`]), authorized as `List`.
+pub async fn dead_set(
+    State(gateway): Shared,
+    RawQuery(raw): RawQuery,
+    headers: HeaderMap,
+) -> Result<Response, HttpError> {
+    let request = query::dead_set(raw.as_deref())?;
+    let grouped = gateway
+        .call(Method::List, &headers, request, |jobs, r| async move {
+            jobs.dead_set(r).await
+        })
+        .await?;
+    Ok(json(StatusCode::OK, &grouped))
+}
+
 /// `GET /api/v1/jobs?...`: one page, newest first (see [`query::list`]).
 pub async fn list(
     State(gateway): Shared,

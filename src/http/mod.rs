@@ -74,6 +74,7 @@ pub fn router(
         .route("/api/v1/jobs/{id}/events", get(sse::events))
         .route("/api/v1/jobs/{id}/deliveries", get(jobs::deliveries))
         .route("/api/v1/stats", get(jobs::stats))
+        .route("/api/v1/dead-set", get(jobs::dead_set))
         .route("/api/v1/queues/{queue}", post(jobs::post_on_queue))
         .route("/api/v1/openapi.json", get(openapi::serve))
         .route("/api/v1/{*rest}", axum::routing::any(jobs::no_route))

@@ -37,6 +37,9 @@ pub struct Operation {
 /// The deliveries listing: authorized as `Get`, but an operation of its own.
 const DELIVERIES_PATH: &str = "/api/v1/jobs/{id}/deliveries";
 
+/// The grouped dead set: authorized as `List`, but an operation of its own.
+const DEAD_SET_PATH: &str = "/api/v1/dead-set";
+
 /// Every operation the router serves under `/api/v1`.
 pub const OPERATIONS: &[Operation] = &[
     Operation {
@@ -118,6 +121,15 @@ pub const OPERATIONS: &[Operation] = &[
         body: Some("RetryJobRequest"),
         response: Some("RetryJobResponse"),
         query: &[],
+    },
+    Operation {
+        method: "get",
+        path: DEAD_SET_PATH,
+        rpc: "List",
+        summary: "The jobs a replay filter matches (the dead set, state=failed, without state), grouped by error class and queue, most jobs first: {\"groups\": [{error_class, queue, jobs, cost_cents}], \"complete\"}; at most 100,000 jobs are counted, and complete is false when that many were. HTTP only; authorized as List.",
+        body: None,
+        response: None,
+        query: &["queue", "kind", "error_class", "state"],
     },
     Operation {
         method: "get",
@@ -215,6 +227,8 @@ fn operation(op: &Operation) -> Value {
         out["operationId"] = json!("openapi");
     } else if op.path == DELIVERIES_PATH {
         out["operationId"] = json!("getDeliveries");
+    } else if op.path == DEAD_SET_PATH {
+        out["operationId"] = json!("getDeadSet");
     } else {
         out["x-grpc-method"] = json!(format!("intray.v1.JobService/{}", op.rpc));
     }

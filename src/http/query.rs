@@ -68,6 +68,26 @@ pub fn list(query: Option<&str>) -> Result<pb::ListJobsRequest, ValidationError>
     Ok(request)
 }
 
+/// `GET /api/v1/dead-set?queue=&kind=&error_class=&state=`: a replay
+/// filter, the dead set (failed jobs) without `state`.
+pub fn dead_set(query: Option<&str>) -> Result<pb::RetryFilter, ValidationError> {
+    let mut filter = pb::RetryFilter::default();
+    for (name, value) in pairs(query) {
+        match name.as_str() {
+            "queue" => filter.queue = value,
+            "kind" => filter.kind = value,
+            "error_class" => filter.error_class = value,
+            "state" => {
+                for part in value.split(',').filter(|p| !p.trim().is_empty()) {
+                    filter.states.push(job_state("state", part)? as i32);
+                }
+            }
+            other => return Err(unknown(other)),
+        }
+    }
+    Ok(filter)
+}
+
 /// `GET /api/v1/stats?queue=`.
 pub fn stats(query: Option<&str>) -> Result<pb::StatsRequest, ValidationError> {
     let mut request = pb::StatsRequest::default();

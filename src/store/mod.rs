@@ -48,6 +48,38 @@ pub struct Retried {
     pub matched: u64,
 }
 
+/// Jobs matching a replay filter, grouped by error class and queue: what
+/// the dashboard's dead-set view shows. Counted in the database, so that
+/// the jobs themselves are not read out to be grouped.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Grouped {
+    /// Most jobs first.
+    pub groups: Vec<JobGroup>,
+    /// Whether every matching job was counted; `false` when the filter's
+    /// limit was reached, and more may match.
+    pub complete: bool,
+}
+
+/// Jobs sharing an error class (`None`: none recorded) and a queue.
+#[derive(Clone, Debug, PartialEq)]
+pub struct JobGroup {
+    pub error_class: Option<String>,
+    pub queue: String,
+    pub jobs: u64,
+    pub cost_cents: i64,
+}
+
+impl Grouped {
+    /// Groups from their rows, `complete` unless `limit` jobs were counted.
+    fn new(groups: Vec<JobGroup>, limit: u32) -> Grouped {
+        let counted: u64 = groups.iter().map(|g| g.jobs).sum();
+        Grouped {
+            groups,
+            complete: counted < u64::from(limit),
+        }
+    }
+}
+
 /// Queue counts and recently seen workers.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Stats {
@@ -268,6 +300,10 @@ pub trait Store: Send + Sync + 'static {
         dry_run: bool,
     ) -> StoreResult<Retried>;
 
+    /// The jobs matching the filter (at most its limit of them) grouped by
+    /// error class and queue, without replaying them.
+    async fn group_matching(&self, tenant: &str, filter: &RetryFilter) -> StoreResult<Grouped>;
+
     /// Counts per queue (one queue, or all of the tenant's) and the workers
     /// seen since `workers_since` ago.
     async fn stats(
@@ -400,5 +436,26 @@ pub async fn migrate(url: &str) -> StoreResult<()> {
         Err(StoreError::Config(
             "database url must start with sqlite: or postgres://".into(),
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn group(jobs: u64) -> JobGroup {
+        JobGroup {
+            error_class: None,
+            queue: "q".into(),
+            jobs,
+            cost_cents: 0,
+        }
+    }
+
+    #[test]
+    fn groups_that_reach_the_limit_may_not_be_all() {
+        assert!(Grouped::new(vec![group(2), group(7)], 10).complete);
+        assert!(!Grouped::new(vec![group(3), group(7)], 10).complete);
+        assert!(Grouped::new(Vec::new(), 10).complete);
     }
 }

@@ -25,8 +25,8 @@ use uuid::Uuid;
 use super::changes::Changes;
 use super::unreadable::Unreadable;
 use super::{
-    Ended, QueueDepth, QueueStatsBuilder, Reaped, Retried, RunningCaps, Stats, Store, StoreError,
-    StoreResult, Submitted,
+    Ended, Grouped, JobGroup, QueueDepth, QueueStatsBuilder, Reaped, Retried, RunningCaps, Stats,
+    Store, StoreError, StoreResult, Submitted,
 };
 use crate::config::Settings;
 use crate::domain::breaker::{self, Breaker, BreakerChange, BreakerPolicy};
@@ -849,6 +849,42 @@ impl Store for SqliteStore {
     }
 
     #[tracing::instrument(name = "store.retry_matching", skip_all, fields(dry_run))]
+    #[tracing::instrument(name = "store.group_matching", skip_all)]
+    async fn group_matching(&self, tenant: &str, filter: &RetryFilter) -> StoreResult<Grouped> {
+        let states: Vec<&str> = filter.states.iter().map(|s| s.as_str()).collect();
+        let rows = sqlx::query(
+            "SELECT error_class, queue, count(*) AS jobs, COALESCE(sum(cost_cents), 0) AS cost_cents
+             FROM (SELECT error_class, queue, cost_cents FROM jobs
+                   WHERE tenant = ?1 AND state IN (SELECT value FROM json_each(?2))
+                     AND (?3 IS NULL OR queue = ?3)
+                     AND (?4 IS NULL OR kind = ?4)
+                     AND (?5 IS NULL OR error_class = ?5)
+                   LIMIT ?6)
+             GROUP BY error_class, queue
+             ORDER BY jobs DESC, error_class, queue",
+        )
+        .bind(tenant)
+        .bind(to_json(&states))
+        .bind(filter.queue.as_deref())
+        .bind(filter.kind.as_deref())
+        .bind(filter.error_class.as_deref())
+        .bind(i64::from(filter.limit))
+        .fetch_all(&self.reader)
+        .await?;
+        let groups = rows
+            .iter()
+            .map(|row| {
+                Ok(JobGroup {
+                    error_class: row.try_get("error_class")?,
+                    queue: row.try_get("queue")?,
+                    jobs: to_u64(row.try_get("jobs")?, "count")?,
+                    cost_cents: row.try_get("cost_cents")?,
+                })
+            })
+            .collect::<StoreResult<Vec<_>>>()?;
+        Ok(Grouped::new(groups, filter.limit))
+    }
+
     async fn retry_matching(
         &self,
         tenant: &str,

@@ -407,7 +407,8 @@ async function renderJob(id) {
 
 // ---- dead set ----------------------------------------------------------------
 
-const DEAD_PAGES = 10;
+// Failed jobs listed below the groups: the newest, one page.
+const DEAD_LISTED = 200;
 
 function deadFilter(params) {
   const filter = { states: ['JOB_STATE_FAILED'] };
@@ -415,26 +416,29 @@ function deadFilter(params) {
   return filter;
 }
 
+// The groups are counted by the server (up to 100,000 jobs), so that the
+// failed jobs themselves are not read out on every refresh.
 async function renderDead(params) {
-  const jobs = [];
-  const query = new URLSearchParams({ state: 'failed', page_size: '1000' });
-  for (const k of ['queue', 'kind', 'error_class']) if (params.get(k)) query.set(k, params.get(k));
-  for (let page = 0; page < DEAD_PAGES; page++) {
-    const answer = await call('GET', '/jobs?' + query);
-    jobs.push(...(answer.jobs || []));
-    if (!answer.nextPageToken) break;
-    query.set('page_token', answer.nextPageToken);
-  }
+  const filters = new URLSearchParams();
+  for (const k of ['queue', 'kind', 'error_class']) if (params.get(k)) filters.set(k, params.get(k));
+  const listed = new URLSearchParams(filters);
+  listed.set('state', 'failed');
+  listed.set('page_size', String(DEAD_LISTED));
+  const [grouped, page] = await Promise.all([
+    call('GET', '/dead-set?' + filters),
+    call('GET', '/jobs?' + listed),
+  ]);
   const groups = new Map();
-  for (const job of jobs) {
-    const cls = job.error ? job.error.class : '(none)';
+  for (const row of grouped.groups || []) {
+    const cls = row.error_class || '(none)';
     const g = groups.get(cls) || { cls, queues: new Set(), count: 0, cost: 0 };
-    g.queues.add(job.queue);
-    g.count += 1;
-    g.cost += num(job.costCents);
+    g.queues.add(row.queue);
+    g.count += num(row.jobs);
+    g.cost += num(row.cost_cents);
     groups.set(cls, g);
   }
   const sorted = [...groups.values()].sort((a, b) => b.count - a.count);
+  $('#dead-partial').hidden = grouped.complete !== false;
   replaceRows($('#dead-groups'), sorted.map((g) => {
     const filter = Object.assign(deadFilter(params), { error_class: g.cls === '(none)' ? undefined : g.cls });
     return el('tr', { 'data-class': g.cls },
@@ -447,7 +451,7 @@ async function renderDead(params) {
         onclick: () => replayMatching(filter),
       })));
   }), 'The dead set is empty.');
-  replaceRows($('#dead-jobs'), jobs.slice(0, 200).map((job) => el('tr', { 'data-job': job.id },
+  replaceRows($('#dead-jobs'), (page.jobs || []).map((job) => el('tr', { 'data-job': job.id },
     el('td', {}, jobLink(job.id)), cell(job.queue), cell(job.kind),
     cell(job.error ? job.error.class + ': ' + (job.error.message || '') : ''),
     cell(job.attempt || 0, 'num'), cell(num(job.costCents), 'num'), cell(when(job.finishedAt)))),
