@@ -1717,9 +1717,18 @@ async fn a_reaper_batch_of_unreadable_rows_does_not_stall_it(backend: Backend) {
     let items = (0..500)
         .map(|i| submit_req("bad", "k", json!({ "n": i })))
         .collect();
-    jobs.submit_batch(pb::SubmitBatchRequest { jobs: items })
+    let first_bad = match jobs
+        .submit_batch(pb::SubmitBatchRequest { jobs: items })
         .await
-        .expect("SubmitBatch");
+        .expect("SubmitBatch")
+        .into_inner()
+        .results
+        .first()
+        .and_then(|r| r.result.clone())
+    {
+        Some(pb::submit_batch_result::Result::Ok(ok)) => ok.job.expect("job").id,
+        other => panic!("the first item was not accepted: {other:?}"),
+    };
     // Broken while queued: the claims below lease them to nobody (see
     // `unreadable_rows_are_set_aside`), so their leases run out first.
     let url = &server.settings.database_url;
@@ -1746,6 +1755,10 @@ async fn a_reaper_batch_of_unreadable_rows_does_not_stall_it(backend: Backend) {
     assert_eq!(leased.len(), 1);
     let back = wait_for_state(&mut jobs, &good.id, St::Queued, Duration::from_secs(10)).await;
     assert_eq!(back.attempt, 1, "reclaimed behind 500 unreadable rows");
+    // Mended, they are let back in at the reaper's next look at them.
+    let sql = "UPDATE jobs SET labels = '{}' WHERE queue = 'bad' RETURNING CAST(1 AS BIGINT)";
+    db_integers(backend, url, sql, &[]).await;
+    wait_for_state(&mut jobs, &first_bad, St::Queued, Duration::from_secs(10)).await;
     server.stop().await;
 }
 
@@ -1827,8 +1840,8 @@ async fn unreadable_rows_are_set_aside(backend: Backend) {
         Code::Internal,
         "Get of an unreadable job",
     );
-    // Both were counted: the claim met one, the reaper the other (once
-    // per pass until mended).
+    // Both were counted: the claim met one, the reaper the other (again
+    // every few passes until mended).
     within(
         Duration::from_secs(10),
         "the unreadable rows to be counted",

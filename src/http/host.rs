@@ -31,13 +31,16 @@ pub enum AllowedHosts {
 }
 
 impl AllowedHosts {
-    /// The names of `--http-allowed-hosts` (`None`: not given), where
+    /// The names of `--http-allowed-hosts` (`None` or only empty ones: not
+    /// given), where
     /// `open` says that the server runs without a token file. `*` alone
     /// answers every name.
     ///
     /// # Errors
-    /// A name that is empty or carries a port, a scheme or a path.
+    /// A name that carries a port, a scheme or a path.
     pub fn new(listed: Option<&[String]>, open: bool) -> Result<AllowedHosts, String> {
+        // An empty variable (templating leaves them so) is no list at all.
+        let listed = listed.filter(|names| names.iter().any(|name| !name.trim().is_empty()));
         let Some(listed) = listed else {
             return Ok(if open {
                 AllowedHosts::Named(Vec::new())
@@ -46,7 +49,8 @@ impl AllowedHosts {
             });
         };
         let mut names = Vec::with_capacity(listed.len());
-        for name in listed {
+        // A trailing comma leaves an empty entry.
+        for name in listed.iter().filter(|name| !name.trim().is_empty()) {
             let name = name.trim().trim_end_matches('.').to_ascii_lowercase();
             if name == "*" {
                 return Ok(AllowedHosts::Any);
@@ -187,9 +191,17 @@ mod tests {
     }
 
     #[test]
+    fn an_empty_list_is_no_list_and_empty_entries_are_skipped() {
+        assert_eq!(named(&[""]), AllowedHosts::Named(Vec::new()));
+        assert_eq!(named(&["a", " "]), AllowedHosts::Named(vec!["a".into()]));
+        let listed = vec![String::new()];
+        let closed = AllowedHosts::new(Some(&listed), false).expect("valid");
+        assert_eq!(closed, AllowedHosts::Any, "as if not given");
+    }
+
+    #[test]
     fn a_name_with_a_port_scheme_or_path_is_refused() {
         for bad in [
-            "",
             "intray:8080",
             "http://intray",
             "intray/x",

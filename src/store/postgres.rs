@@ -789,12 +789,13 @@ async fn save_unchanged(
 /// The rows are found by one primary-key probe each, then updated by tuple
 /// id, so that no plan can choose another path: a join to the input on the
 /// key, or the key arrays beside it, were planned on a young table (generic
-/// plans last) as a scan of all jobs, or of the tenant's, filtered by id. A
-/// row updated between the probe and the write (only possible for a
-/// version-checked one) has moved on, and is left as it is.
+/// plans last) as a scan of all jobs, or of the tenant's, filtered by id.
 ///
 /// The probe locks each row, skipping one another transaction holds: the
-/// statement then never waits for a row. An unlocked write that waited
+/// write then never waits for a job row. A version-checked row the probe
+/// finds updated since the statement began (the lock follows it to its
+/// latest version, which the write's snapshot does not see) is left as it
+/// is, like one whose version differs. An unlocked write that waited
 /// would hold rows in tuple order while a locked batch holds them in id
 /// order, and the two could deadlock; a row skipped here is unwritten, so
 /// its caller redoes it under lock. A locked caller's own locks never make
@@ -1295,8 +1296,9 @@ impl PgStore {
     /// [`Self::complete_locked`] (`BEGIN`, read, write, `COMMIT`), and in
     /// one for the jobs this replica leased: the rows are read without a
     /// lock (or taken as their lease left them, see `pg_leased`) and written
-    /// by one autocommitted statement that skips every row changed since,
-    /// and every row whose kind has a circuit breaker. Those jobs go through
+    /// by one autocommitted statement that skips every row changed since or
+    /// locked by another transaction, and every row whose kind has a circuit
+    /// breaker. Those jobs go through
     /// [`Self::complete_locked`], as does the whole batch when an outcome
     /// would change a circuit breaker, since breakers are written in the
     /// outcome's transaction. An error found in the read (a stale lease
@@ -1392,7 +1394,7 @@ impl PgStore {
         }
         tracing::debug!(
             jobs = redo.len(),
-            "jobs changed between Complete's read and write, or refused from a kept lease; redone under lock"
+            "jobs changed or locked elsewhere between Complete's read and write, or refused from a kept lease; redone under lock"
         );
         let again: Vec<CompleteSpec> = redo.iter().map(|&i| spare[i].clone()).collect();
         // The others have committed: a failure here is only these items'.
@@ -2202,29 +2204,44 @@ impl Store for PgStore {
 
     #[tracing::instrument(name = "store.reap", skip_all)]
     async fn reap(&self, batch: u32, retention: Duration) -> StoreResult<Reaped> {
-        let limit = self.unreadable.reaper_limit(batch);
+        if let Some(ids) = self.unreadable.due_again() {
+            let uuids: Vec<Uuid> = ids.iter().filter_map(|id| id.parse().ok()).collect();
+            let rows = sqlx::query("SELECT *, now() AS db_now FROM jobs WHERE id = ANY($1)")
+                .bind(&uuids)
+                .fetch_all(&self.pool)
+                .await?;
+            self.unreadable.rechecked(&ids, &rows, job_from_row, row_id);
+        }
+        // Rows that cannot be read are read past (see `unreadable`).
+        let set_aside: Vec<Uuid> = self
+            .unreadable
+            .set_aside()
+            .iter()
+            .filter_map(|id| id.parse().ok())
+            .collect();
         let mut tx = self.pool.begin().await?;
         let expired_leases = sqlx::query(
             "SELECT *, now() AS db_now FROM jobs
-             WHERE state = 'running' AND lease_expires_at <= now()
+             WHERE state = 'running' AND lease_expires_at <= now() AND NOT (id = ANY($2))
              ORDER BY lease_expires_at LIMIT $1 FOR UPDATE SKIP LOCKED",
         )
-        .bind(i64::from(limit))
+        .bind(i64::from(batch))
+        .bind(&set_aside)
         .fetch_all(&mut *tx)
         .await?;
         let past_deadline = sqlx::query(
             "SELECT *, now() AS db_now FROM jobs
-             WHERE state = 'queued' AND deadline <= now()
+             WHERE state = 'queued' AND deadline <= now() AND NOT (id = ANY($2))
              ORDER BY deadline LIMIT $1 FOR UPDATE SKIP LOCKED",
         )
-        .bind(i64::from(limit))
+        .bind(i64::from(batch))
+        .bind(&set_aside)
         .fetch_all(&mut *tx)
         .await?;
         let (expired_jobs, past_jobs) = self.unreadable.reaper_readable(
             (&expired_leases, &past_deadline),
             job_from_row,
             row_id,
-            batch,
         );
         let mut changes = Changes::default();
         let mut reclaimed = Vec::with_capacity(expired_jobs.len());
@@ -2991,7 +3008,9 @@ mod tests {
             outcome_for(&leased[1], success()),
         ];
         // The first job held: the locked batch queues behind it holding
-        // nothing, and the write, which takes the second job first, too.
+        // nothing. The write takes the second job first (tuple order); had
+        // it waited for the first, it would hold the second against the
+        // locked batch. It skips the first instead, and its redo queues.
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
             "BEGIN; SELECT 1 FROM jobs WHERE id = '{}' FOR UPDATE",
             leased[0].id

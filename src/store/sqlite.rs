@@ -1226,30 +1226,42 @@ impl Store for SqliteStore {
 
     #[tracing::instrument(name = "store.reap", skip_all)]
     async fn reap(&self, batch: u32, retention: Duration) -> StoreResult<Reaped> {
-        let limit = self.unreadable.reaper_limit(batch);
+        if let Some(ids) = self.unreadable.due_again() {
+            let rows =
+                sqlx::query("SELECT * FROM jobs WHERE id IN (SELECT value FROM json_each(?1))")
+                    .bind(to_json(&ids))
+                    .fetch_all(&self.reader)
+                    .await?;
+            self.unreadable.rechecked(&ids, &rows, job_from_row, row_id);
+        }
+        // Rows that cannot be read are read past (see `unreadable`).
+        let set_aside = to_json(&self.unreadable.set_aside());
         let mut tx = self.begin().await?;
         let now = stored_now();
         let expired_leases = sqlx::query(
             "SELECT * FROM jobs WHERE state = 'running' AND lease_expires_at <= ?1
+               AND id NOT IN (SELECT value FROM json_each(?3))
              ORDER BY lease_expires_at LIMIT ?2",
         )
         .bind(ms(now))
-        .bind(i64::from(limit))
+        .bind(i64::from(batch))
+        .bind(&set_aside)
         .fetch_all(&mut *tx)
         .await?;
         let past_deadline = sqlx::query(
             "SELECT * FROM jobs WHERE state = 'queued' AND deadline <= ?1
+               AND id NOT IN (SELECT value FROM json_each(?3))
              ORDER BY deadline LIMIT ?2",
         )
         .bind(ms(now))
-        .bind(i64::from(limit))
+        .bind(i64::from(batch))
+        .bind(&set_aside)
         .fetch_all(&mut *tx)
         .await?;
         let (expired_jobs, past_jobs) = self.unreadable.reaper_readable(
             (&expired_leases, &past_deadline),
             job_from_row,
             row_id,
-            batch,
         );
         let mut changes = Changes::default();
         let mut reclaimed = Vec::with_capacity(expired_jobs.len());
