@@ -5,7 +5,9 @@ use std::os::unix::process::ExitStatusExt;
 use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
 
+use nix::errno::Errno;
 use nix::sys::signal::{Signal, killpg};
+use nix::sys::wait::{Id, WaitPidFlag, waitid};
 use nix::unistd::Pid;
 use serde_json::Value;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
@@ -103,7 +105,7 @@ impl CommandSpec {
             .map(|err| tokio::spawn(tail(err, STDERR_TAIL_BYTES, stop_reading.clone())));
 
         let status = tokio::select! {
-            status = child.wait() => status,
+            status = reap_after_group(&mut child, pid) => status,
             () = ctx.cancelled() => {
                 let status = self.terminate(&mut child, pid).await;
                 tracing::info!(job_id = %job.id, ?status, reason = ?ctx.cancel_reason(), "command stopped");
@@ -123,11 +125,6 @@ impl CommandSpec {
                 status.ok_or_else(|| std::io::Error::other("the command's status was lost"))
             }
         };
-        // Whatever the command left running in its group would hold the
-        // pipes open and outlive the job: the job is over, so are they.
-        if let Some(pid) = pid {
-            let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
-        }
         if let Some(task) = stdin {
             task.abort();
         }
@@ -169,20 +166,46 @@ impl CommandSpec {
             // Already reaped: nothing left to signal.
             return child.wait().await.ok();
         };
-        let group = Pid::from_raw(pid);
-        let _ = killpg(group, Signal::SIGTERM);
-        let status = match tokio::time::timeout(self.kill_after, child.wait()).await {
-            Ok(status) => status.ok(),
-            Err(_) => {
-                let _ = killpg(group, Signal::SIGKILL);
-                child.wait().await.ok()
-            }
-        };
-        // The leader may have exited on SIGTERM while others in the group
-        // ignored it.
-        let _ = killpg(group, Signal::SIGKILL);
-        status
+        let _ = killpg(Pid::from_raw(pid), Signal::SIGTERM);
+        if tokio::time::timeout(self.kill_after, exited(pid))
+            .await
+            .is_err()
+        {
+            let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+        reap_after_group(child, Some(pid)).await.ok()
     }
+}
+
+/// Waits for the command to exit, then SIGKILLs what is left of its process
+/// group (whatever it started would hold the pipes open and outlive the
+/// job, or ignored a SIGTERM), then reaps it. The group is signalled while
+/// the command is still unreaped: until then its pid, which is the group's
+/// id, cannot be given to another process, so the signal cannot reach one.
+async fn reap_after_group(child: &mut Child, pid: Option<i32>) -> std::io::Result<ExitStatus> {
+    if let Some(pid) = pid {
+        exited(pid).await?;
+        let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
+    }
+    child.wait().await
+}
+
+/// Resolves once process `pid` (a child of this process) has exited,
+/// without reaping it (`WNOWAIT`). The wait blocks a thread of the blocking
+/// pool, one per running command, until the command exits.
+async fn exited(pid: i32) -> std::io::Result<()> {
+    let wait = tokio::task::spawn_blocking(move || {
+        loop {
+            let flags = WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT;
+            match waitid(Id::Pid(Pid::from_raw(pid)), flags) {
+                // ECHILD: already reaped, so it has exited.
+                Ok(_) | Err(Errno::ECHILD) => return Ok(()),
+                Err(Errno::EINTR) => {}
+                Err(err) => return Err(std::io::Error::from(err)),
+            }
+        }
+    });
+    wait.await.map_err(std::io::Error::other)?
 }
 
 /// Checks that `program` names an executable file, as a path or through
@@ -355,6 +378,39 @@ mod tests {
         let plain = plain.to_string_lossy().into_owned();
         assert!(check_program(&plain).is_err(), "not executable");
         assert!(check_program("/bin").is_err(), "a directory");
+    }
+
+    /// The command's group is signalled while the command is a zombie, so
+    /// its pid (the group's id) cannot have gone to another process: a
+    /// member it left behind is killed, and the command is reaped after.
+    #[tokio::test]
+    async fn the_group_is_killed_before_the_command_is_reaped() {
+        let dir = tempfile::tempdir().expect("dir");
+        let marker = dir.path().join("member");
+        let script = format!("(sleep 1; touch {}) & exit 3", marker.display());
+        let mut child = Command::new("sh")
+            .args(["-c", &script])
+            .process_group(0)
+            .spawn()
+            .expect("spawn");
+        let pid = child.id().and_then(|id| i32::try_from(id).ok());
+        let leader = pid.expect("running");
+        exited(leader).await.expect("exited");
+        let stat = std::fs::read_to_string(format!("/proc/{leader}/stat")).expect("still listed");
+        let state = stat
+            .rsplit(") ")
+            .next()
+            .and_then(|rest| rest.chars().next());
+        assert_eq!(state, Some('Z'), "exited but not reaped: {stat}");
+        let status = reap_after_group(&mut child, pid).await.expect("reaped");
+        assert_eq!(status.code(), Some(3));
+        assert!(
+            std::fs::metadata(format!("/proc/{leader}")).is_err(),
+            "reaped"
+        );
+        // The member was in the group: killed, it never touches the file.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert!(!marker.exists(), "the group's member outlived the command");
     }
 
     #[test]
