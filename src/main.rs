@@ -44,8 +44,26 @@ enum Command {
     Client(ClientCommand),
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+/// Threads of the blocking pool, started only when needed: `intray work`
+/// keeps one per running command (up to 1000, `--concurrency`) waiting for
+/// it to exit, above tokio's default of 512.
+const BLOCKING_THREADS: usize = 1000 + 512;
+
+fn main() -> ExitCode {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .max_blocking_threads(BLOCKING_THREADS)
+        .build();
+    match runtime {
+        Ok(runtime) => runtime.block_on(run()),
+        Err(err) => {
+            eprintln!("error: cannot start the runtime: {err}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Serve(args) => serve(*args).await,

@@ -26,7 +26,7 @@ use super::pg_caps;
 use super::pg_counts::Counts;
 use super::pg_hot::HotPool;
 use super::pg_leased::{Beat, Leased};
-use super::unreadable::Unreadable;
+use super::unreadable::{RECHECK_CHUNK, RowKey, Unreadable};
 use super::{
     Ended, Grouped, JobGroup, QueueDepth, QueueStatsBuilder, Reaped, Retried, RunningCaps, Stats,
     Store, StoreError, StoreResult, Submitted,
@@ -163,8 +163,11 @@ fn job_from_row(row: &PgRow) -> StoreResult<Job> {
 }
 
 /// A job row's id alone, for naming a row that cannot be read whole.
-fn row_id(row: &PgRow) -> Option<String> {
-    row.try_get::<Uuid, _>("id").ok().map(|id| id.to_string())
+fn row_key(row: &PgRow) -> Option<RowKey> {
+    Some(RowKey {
+        tenant: row.try_get("tenant").ok()?,
+        id: row.try_get::<Uuid, _>("id").ok()?.to_string(),
+    })
 }
 
 fn breaker_from_row(row: &PgRow) -> StoreResult<Breaker> {
@@ -1253,6 +1256,36 @@ impl PgStore {
         Ok(store)
     }
 
+    /// Reads again the rows the reaper set aside as unreadable, by primary
+    /// key and a chunk at a time, and lets back in those mended or deleted
+    /// (see `unreadable`). A failed read is logged and tried again at the
+    /// next look: the pass goes on without it.
+    async fn recheck_unreadable(&self, keys: &[RowKey]) {
+        for chunk in keys.chunks(RECHECK_CHUNK) {
+            let (tenants, ids): (Vec<&str>, Vec<Uuid>) = chunk
+                .iter()
+                .filter_map(|k| Some((k.tenant.as_str(), k.id.parse::<Uuid>().ok()?)))
+                .unzip();
+            let read = sqlx::query(
+                "SELECT * FROM jobs WHERE (tenant, id) IN
+                     (SELECT * FROM unnest($1::text[], $2::uuid[]))",
+            )
+            .bind(&tenants)
+            .bind(&ids)
+            .fetch_all(&self.pool)
+            .await;
+            match read {
+                Ok(rows) => self
+                    .unreadable
+                    .rechecked(chunk, &rows, job_from_row, row_key),
+                Err(err) => {
+                    tracing::warn!(error = %err, "reading the unreadable job rows again failed; trying again later");
+                    return;
+                }
+            }
+        }
+    }
+
     /// `Complete` in one transaction that locks the jobs' rows (and, when
     /// an outcome counts against a circuit breaker, the breakers' rows).
     async fn complete_locked(
@@ -1533,7 +1566,7 @@ impl PgStore {
     ) -> StoreResult<Vec<Vec<Job>>> {
         let jobs = self
             .unreadable
-            .readable(rows, job_from_row, row_id, "a claim");
+            .readable(rows, job_from_row, row_key, "a claim");
         let mut claimed: Vec<Vec<Job>> = claim.specs.iter().map(|_| Vec::new()).collect();
         for (row, job) in jobs {
             let slot: i64 = row.try_get("slot")?;
@@ -1860,7 +1893,6 @@ impl Store for PgStore {
         .await
     }
 
-    #[tracing::instrument(name = "store.retry_matching", skip_all, fields(dry_run))]
     #[tracing::instrument(name = "store.group_matching", skip_all)]
     async fn group_matching(&self, tenant: &str, filter: &RetryFilter) -> StoreResult<Grouped> {
         let states: Vec<&str> = filter.states.iter().map(|s| s.as_str()).collect();
@@ -1901,6 +1933,7 @@ impl Store for PgStore {
         Ok(Grouped::new(groups, filter.limit))
     }
 
+    #[tracing::instrument(name = "store.retry_matching", skip_all, fields(dry_run))]
     async fn retry_matching(
         &self,
         tenant: &str,
@@ -2204,15 +2237,12 @@ impl Store for PgStore {
 
     #[tracing::instrument(name = "store.reap", skip_all)]
     async fn reap(&self, batch: u32, retention: Duration) -> StoreResult<Reaped> {
-        if let Some(ids) = self.unreadable.due_again() {
-            let uuids: Vec<Uuid> = ids.iter().filter_map(|id| id.parse().ok()).collect();
-            let rows = sqlx::query("SELECT *, now() AS db_now FROM jobs WHERE id = ANY($1)")
-                .bind(&uuids)
-                .fetch_all(&self.pool)
-                .await?;
-            self.unreadable.rechecked(&ids, &rows, job_from_row, row_id);
+        if let Some(keys) = self.unreadable.due_again() {
+            self.recheck_unreadable(&keys).await;
         }
-        // Rows that cannot be read are read past (see `unreadable`).
+        // Rows that cannot be read are read past (see `unreadable`). An
+        // anti-join rather than `<> ALL`: a generic plan compares each row
+        // with every element of a bound array.
         let set_aside: Vec<Uuid> = self
             .unreadable
             .set_aside()
@@ -2222,7 +2252,8 @@ impl Store for PgStore {
         let mut tx = self.pool.begin().await?;
         let expired_leases = sqlx::query(
             "SELECT *, now() AS db_now FROM jobs
-             WHERE state = 'running' AND lease_expires_at <= now() AND NOT (id = ANY($2))
+             WHERE state = 'running' AND lease_expires_at <= now()
+               AND NOT EXISTS (SELECT 1 FROM unnest($2::uuid[]) AS aside(id) WHERE aside.id = jobs.id)
              ORDER BY lease_expires_at LIMIT $1 FOR UPDATE SKIP LOCKED",
         )
         .bind(i64::from(batch))
@@ -2231,7 +2262,8 @@ impl Store for PgStore {
         .await?;
         let past_deadline = sqlx::query(
             "SELECT *, now() AS db_now FROM jobs
-             WHERE state = 'queued' AND deadline <= now() AND NOT (id = ANY($2))
+             WHERE state = 'queued' AND deadline <= now()
+               AND NOT EXISTS (SELECT 1 FROM unnest($2::uuid[]) AS aside(id) WHERE aside.id = jobs.id)
              ORDER BY deadline LIMIT $1 FOR UPDATE SKIP LOCKED",
         )
         .bind(i64::from(batch))
@@ -2241,7 +2273,7 @@ impl Store for PgStore {
         let (expired_jobs, past_jobs) = self.unreadable.reaper_readable(
             (&expired_leases, &past_deadline),
             job_from_row,
-            row_id,
+            row_key,
         );
         let mut changes = Changes::default();
         let mut reclaimed = Vec::with_capacity(expired_jobs.len());
@@ -3042,6 +3074,70 @@ mod tests {
             succeeded += results.iter().filter(|r| r.is_ok()).count();
         }
         assert_eq!(succeeded, 2, "each job ended once");
+        drop(store);
+        drop(db);
+        scratch.drop().await;
+    }
+
+    /// An unreadable expired lease is set aside by the reaper, stays aside
+    /// while a second look by key finds it still broken, and once mended
+    /// is let back in and reclaimed.
+    #[tokio::test]
+    async fn a_mended_row_set_aside_by_the_reaper_is_let_back_in() {
+        let scratch = Scratch::new("intray_set_aside").await;
+        let store = scratch.store().await;
+        let mut db = PgConnection::connect(&scratch.url).await.expect("connect");
+        store
+            .submit("default", vec![new_job()])
+            .await
+            .expect("submit");
+        let short = LeaseSpec {
+            lease_duration: Duration::from_millis(50),
+            ..lease_spec("w", 1)
+        };
+        let leased = store
+            .lease("default", &[short])
+            .await
+            .expect("lease")
+            .concat();
+        let id = leased.first().expect("leased").id;
+        let set_labels = |labels: &'static str| {
+            sqlx::query("UPDATE jobs SET labels = $1::jsonb WHERE id = $2")
+                .bind(labels)
+                .bind(id)
+        };
+        set_labels("[1]")
+            .execute(&mut db)
+            .await
+            .expect("break the row");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let reaped = store
+            .reap(10, Duration::from_secs(3600))
+            .await
+            .expect("reap");
+        assert_eq!(reaped.expired_leases, 0);
+        assert_eq!(store.unreadable.set_aside(), [id.to_string()]);
+        let keys = store
+            .unreadable
+            .due_again()
+            .expect("the first look is due at once");
+        store.recheck_unreadable(&keys).await;
+        assert_eq!(
+            store.unreadable.set_aside(),
+            [id.to_string()],
+            "still broken"
+        );
+        set_labels("{}")
+            .execute(&mut db)
+            .await
+            .expect("mend the row");
+        store.recheck_unreadable(&keys).await;
+        assert!(store.unreadable.set_aside().is_empty(), "mended");
+        let reaped = store
+            .reap(10, Duration::from_secs(3600))
+            .await
+            .expect("reap");
+        assert_eq!(reaped.expired_leases, 1, "reclaimed once mended");
         drop(store);
         drop(db);
         scratch.drop().await;

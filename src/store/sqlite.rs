@@ -23,7 +23,7 @@ use sqlx::{Row, SqliteConnection, Transaction};
 use uuid::Uuid;
 
 use super::changes::Changes;
-use super::unreadable::Unreadable;
+use super::unreadable::{RECHECK_CHUNK, RowKey, Unreadable};
 use super::{
     Ended, Grouped, JobGroup, QueueDepth, QueueStatsBuilder, Reaped, Retried, RunningCaps, Stats,
     Store, StoreError, StoreResult, Submitted,
@@ -148,6 +148,13 @@ fn to_u64(v: i64, column: &str) -> StoreResult<u64> {
 /// A job row's id alone, for naming a row that cannot be read whole.
 fn row_id(row: &SqliteRow) -> Option<String> {
     row.try_get("id").ok()
+}
+
+fn row_key(row: &SqliteRow) -> Option<RowKey> {
+    Some(RowKey {
+        tenant: row.try_get("tenant").ok()?,
+        id: row_id(row)?,
+    })
 }
 
 fn job_from_row(row: &SqliteRow) -> StoreResult<Job> {
@@ -330,6 +337,30 @@ impl SqliteStore {
         tx.commit().await?;
         changes.wake(&self.notifier);
         Ok(())
+    }
+
+    /// Reads again the rows the reaper set aside as unreadable, a chunk at
+    /// a time, and lets back in those mended or deleted (see `unreadable`).
+    /// A failed read is logged and tried again at the next look: the pass
+    /// goes on without it.
+    async fn recheck_unreadable(&self, keys: &[RowKey]) {
+        for chunk in keys.chunks(RECHECK_CHUNK) {
+            let ids: Vec<&str> = chunk.iter().map(|k| k.id.as_str()).collect();
+            let read =
+                sqlx::query("SELECT * FROM jobs WHERE id IN (SELECT value FROM json_each(?1))")
+                    .bind(to_json(&ids))
+                    .fetch_all(&self.reader)
+                    .await;
+            match read {
+                Ok(rows) => self
+                    .unreadable
+                    .rechecked(chunk, &rows, job_from_row, row_key),
+                Err(err) => {
+                    tracing::warn!(error = %err, "reading the unreadable job rows again failed; trying again later");
+                    return;
+                }
+            }
+        }
     }
 
     /// Deletes up to `batch` jobs (and their events) that finished before
@@ -658,7 +689,7 @@ impl SqliteStore {
         .await?;
         let mut jobs: Vec<Job> = self
             .unreadable
-            .readable(&rows, job_from_row, row_id, "a claim")
+            .readable(&rows, job_from_row, row_key, "a claim")
             .into_iter()
             .map(|(_, job)| job)
             .collect();
@@ -848,7 +879,6 @@ impl Store for SqliteStore {
         .await
     }
 
-    #[tracing::instrument(name = "store.retry_matching", skip_all, fields(dry_run))]
     #[tracing::instrument(name = "store.group_matching", skip_all)]
     async fn group_matching(&self, tenant: &str, filter: &RetryFilter) -> StoreResult<Grouped> {
         let states: Vec<&str> = filter.states.iter().map(|s| s.as_str()).collect();
@@ -885,6 +915,7 @@ impl Store for SqliteStore {
         Ok(Grouped::new(groups, filter.limit))
     }
 
+    #[tracing::instrument(name = "store.retry_matching", skip_all, fields(dry_run))]
     async fn retry_matching(
         &self,
         tenant: &str,
@@ -1226,13 +1257,8 @@ impl Store for SqliteStore {
 
     #[tracing::instrument(name = "store.reap", skip_all)]
     async fn reap(&self, batch: u32, retention: Duration) -> StoreResult<Reaped> {
-        if let Some(ids) = self.unreadable.due_again() {
-            let rows =
-                sqlx::query("SELECT * FROM jobs WHERE id IN (SELECT value FROM json_each(?1))")
-                    .bind(to_json(&ids))
-                    .fetch_all(&self.reader)
-                    .await?;
-            self.unreadable.rechecked(&ids, &rows, job_from_row, row_id);
+        if let Some(keys) = self.unreadable.due_again() {
+            self.recheck_unreadable(&keys).await;
         }
         // Rows that cannot be read are read past (see `unreadable`).
         let set_aside = to_json(&self.unreadable.set_aside());
@@ -1261,7 +1287,7 @@ impl Store for SqliteStore {
         let (expired_jobs, past_jobs) = self.unreadable.reaper_readable(
             (&expired_leases, &past_deadline),
             job_from_row,
-            row_id,
+            row_key,
         );
         let mut changes = Changes::default();
         let mut reclaimed = Vec::with_capacity(expired_jobs.len());

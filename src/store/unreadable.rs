@@ -10,31 +10,42 @@
 //! claimed one stays `running` under a lease nobody holds, out of every
 //! queue, and the reaper leaves it there. Each one left out is also
 //! counted, for the `intray_unreadable_job_rows_total` metric: the reaper
-//! meets an unmended row again every few passes (below), so the count
-//! keeps rising until someone mends it.
+//! looks at an unmended row again every minute (below), so the count keeps
+//! rising until someone mends it.
 //!
-//! An unmended row would stay at the head of the reaper's order, and
-//! enough of them would fill every pass's batch and stall the reaper. So
-//! the rows a reaper pass leaves out are set aside: later passes read past
-//! them, and every [`RECHECK_PASSES`]th pass reads them again by id and
-//! lets back in those mended (or deleted) since.
+//! An unmended row would stay at the head of the reaper's order, and 500 of
+//! them would fill every pass's batch and stall the reaper. So the rows a
+//! reaper pass leaves out are set aside (up to [`MAX_SET_ASIDE`]): later
+//! passes read past them, and every [`RECHECK_EVERY`] they are read again
+//! by key, and those mended (or deleted) since are let back in.
 
 use std::collections::HashSet;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use super::StoreResult;
 
-/// How many reaper passes go by between readings of the rows set aside:
-/// a minute at the default interval (5 s).
-const RECHECK_PASSES: u32 = 12;
-/// Most rows set aside: their ids are bound to every reaper pass. Rows
-/// beyond it are left out on every pass they are met, as before they were
-/// set aside.
-const MAX_SET_ASIDE: usize = 100_000;
+/// How often the rows set aside are read again.
+const RECHECK_EVERY: Duration = Duration::from_secs(60);
+/// Most rows set aside per store. Beyond it the reaper meets the others on
+/// every pass again, and 500 of them stall it until they are mended.
+const MAX_SET_ASIDE: usize = 10_000;
+/// Rows read per statement when the rows set aside are read again: each is
+/// read whole, payload and all.
+pub const RECHECK_CHUNK: usize = 100;
 
 /// The jobs read from rows, each with its row.
 type Readable<'r, R, T> = Vec<(&'r R, T)>;
+
+/// Where a job row is: its tenant and id (as text), the primary key.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct RowKey {
+    /// The row's tenant.
+    pub tenant: String,
+    /// The row's id.
+    pub id: String,
+}
 
 /// The rows a store has left out since it opened.
 #[derive(Debug, Default)]
@@ -43,37 +54,36 @@ pub struct Unreadable {
     set_aside: Mutex<SetAside>,
 }
 
-/// Ids of the rows the reaper reads past, and the passes until they are
-/// read again (0: at the next).
+/// The rows the reaper reads past, and when they were last read again.
 #[derive(Debug, Default)]
 struct SetAside {
-    ids: HashSet<String>,
-    passes_left: u32,
+    keys: HashSet<RowKey>,
+    checked: Option<Instant>,
 }
 
 impl Unreadable {
     /// What `read` makes of the rows that can be read (jobs), in row
     /// order, each with its row. A row that cannot is counted and logged
-    /// at error level, with its id (`id` reads that alone) and `during`
+    /// at error level, with its id (`key` reads that alone) and `during`
     /// (what met it).
     pub fn readable<'r, R, T>(
         &self,
         rows: &'r [R],
         read: impl Fn(&R) -> StoreResult<T>,
-        id: impl Fn(&R) -> Option<String>,
+        key: impl Fn(&R) -> Option<RowKey>,
         during: &str,
     ) -> Readable<'r, R, T> {
-        self.split_readable(rows, read, id, during).0
+        self.split_readable(rows, read, key, during).0
     }
 
-    /// [`Self::readable`], and the ids of the rows left out.
+    /// [`Self::readable`], and the keys of the rows left out.
     fn split_readable<'r, R, T>(
         &self,
         rows: &'r [R],
         read: impl Fn(&R) -> StoreResult<T>,
-        id: impl Fn(&R) -> Option<String>,
+        key: impl Fn(&R) -> Option<RowKey>,
         during: &str,
-    ) -> (Readable<'r, R, T>, Vec<String>) {
+    ) -> (Readable<'r, R, T>, Vec<RowKey>) {
         let mut jobs = Vec::with_capacity(rows.len());
         let mut left_out = Vec::new();
         for row in rows {
@@ -81,11 +91,10 @@ impl Unreadable {
                 Ok(job) => jobs.push((row, job)),
                 Err(err) => {
                     self.left_out.fetch_add(1, Ordering::Relaxed);
-                    let job_id = id(row).unwrap_or_default();
+                    let key = key(row);
+                    let job_id = key.as_ref().map_or("", |k| k.id.as_str());
                     tracing::error!(error = %err, job_id = %job_id, during, "left out a job row that cannot be read; mend or delete it");
-                    if !job_id.is_empty() {
-                        left_out.push(job_id);
-                    }
+                    left_out.extend(key);
                 }
             }
         }
@@ -99,41 +108,41 @@ impl Unreadable {
 
     /// The ids of the rows a reaper pass reads past.
     pub fn set_aside(&self) -> Vec<String> {
-        self.lock().ids.iter().cloned().collect()
+        self.lock().keys.iter().map(|k| k.id.clone()).collect()
     }
 
-    /// Called once per reaper pass: the ids to read again now, if any are
-    /// set aside and [`RECHECK_PASSES`] passes went by since the last
-    /// reading (the first comes at once). The caller hands the rows it read
-    /// to [`Self::rechecked`].
-    pub fn due_again(&self) -> Option<Vec<String>> {
+    /// The rows to read again now (by key, in chunks of [`RECHECK_CHUNK`]),
+    /// if any are set aside and the last reading was [`RECHECK_EVERY`] ago;
+    /// the first comes at once. The caller hands what it read to
+    /// [`Self::rechecked`].
+    pub fn due_again(&self) -> Option<Vec<RowKey>> {
+        self.due_again_at(Instant::now())
+    }
+
+    fn due_again_at(&self, now: Instant) -> Option<Vec<RowKey>> {
         let mut set = self.lock();
-        if set.ids.is_empty() {
+        if set.keys.is_empty() || set.checked.is_some_and(|at| now < at + RECHECK_EVERY) {
             return None;
         }
-        if set.passes_left > 0 {
-            set.passes_left -= 1;
-            return None;
-        }
-        set.passes_left = RECHECK_PASSES - 1;
-        Some(set.ids.iter().cloned().collect())
+        set.checked = Some(now);
+        Some(set.keys.iter().cloned().collect())
     }
 
-    /// Lets back in the rows of `ids` that `rows` (the rows of those ids
+    /// Lets back in the rows of `keys` that `rows` (the rows of those keys
     /// that still exist) shows mended or gone; the others stay set aside,
     /// and are counted and logged again.
     pub fn rechecked<R, T>(
         &self,
-        ids: &[String],
+        keys: &[RowKey],
         rows: &[R],
         read: impl Fn(&R) -> StoreResult<T>,
-        id: impl Fn(&R) -> Option<String>,
+        key: impl Fn(&R) -> Option<RowKey>,
     ) {
-        let (_, still) = self.split_readable(rows, read, id, "the reaper's second look");
-        let still: HashSet<&String> = still.iter().collect();
+        let (_, still) = self.split_readable(rows, read, key, "the reaper's second look");
+        let still: HashSet<&RowKey> = still.iter().collect();
         let mut set = self.lock();
-        for id in ids.iter().filter(|id| !still.contains(id)) {
-            set.ids.remove(id);
+        for key in keys.iter().filter(|key| !still.contains(key)) {
+            set.keys.remove(key);
         }
     }
 
@@ -143,22 +152,22 @@ impl Unreadable {
         &self,
         (leases, deadlines): (&'r [R], &'r [R]),
         read: impl Fn(&R) -> StoreResult<T>,
-        id: impl Fn(&R) -> Option<String>,
+        key: impl Fn(&R) -> Option<RowKey>,
     ) -> (Readable<'r, R, T>, Readable<'r, R, T>) {
-        let (expired, mut left_out) = self.split_readable(leases, &read, &id, "the reaper");
-        let (past, more) = self.split_readable(deadlines, &read, &id, "the reaper");
+        let (expired, mut left_out) = self.split_readable(leases, &read, &key, "the reaper");
+        let (past, more) = self.split_readable(deadlines, &read, &key, "the reaper");
         left_out.extend(more);
         if !left_out.is_empty() {
             let mut set = self.lock();
-            for id in left_out {
-                if set.ids.len() >= MAX_SET_ASIDE {
+            for key in left_out {
+                if set.keys.len() >= MAX_SET_ASIDE {
                     tracing::warn!(
                         max = MAX_SET_ASIDE,
                         "too many unreadable job rows to read past; the reaper meets the rest on every pass"
                     );
                     break;
                 }
-                set.ids.insert(id);
+                set.keys.insert(key);
             }
         }
         (expired, past)
@@ -177,54 +186,65 @@ mod tests {
     use super::*;
     use crate::store::StoreError;
 
+    fn key(row: &&str) -> Option<RowKey> {
+        Some(RowKey {
+            tenant: "t".into(),
+            id: row.trim_start_matches("bad").to_string(),
+        })
+    }
+
+    fn read(row: &&str) -> StoreResult<String> {
+        if row.starts_with("bad") {
+            Err(StoreError::Internal("labels".into()))
+        } else {
+            Ok(row.to_uppercase())
+        }
+    }
+
     #[test]
     fn a_row_that_cannot_be_read_is_left_out() {
         let rows = ["a", "bad", "c"];
-        let read = |row: &&str| {
-            if *row == "bad" {
-                Err(StoreError::Internal("labels".into()))
-            } else {
-                Ok(row.to_uppercase())
-            }
-        };
         let unreadable = Unreadable::default();
-        let jobs = unreadable.readable(&rows, read, |row| Some(row.to_string()), "a test");
+        let jobs = unreadable.readable(&rows, read, key, "a test");
         let kept: Vec<(&str, &str)> = jobs
             .iter()
             .map(|(row, job)| (**row, job.as_str()))
             .collect();
         assert_eq!(kept, [("a", "A"), ("c", "C")]);
-        unreadable.readable(&rows, read, |row| Some(row.to_string()), "a test");
+        unreadable.readable(&rows, read, key, "a test");
         assert_eq!(unreadable.left_out(), 2, "counted each time it is met");
     }
 
     #[test]
     fn the_reaper_sets_aside_what_it_left_out_until_mended() {
         let unreadable = Unreadable::default();
-        let read = |row: &&str| {
-            if row.starts_with("bad") {
-                Err(StoreError::Internal("labels".into()))
-            } else {
-                Ok(row.to_uppercase())
-            }
-        };
-        let id = |row: &&str| Some(row.trim_start_matches("bad").to_string());
         assert_eq!(unreadable.due_again(), None, "nothing set aside");
-        let (expired, past) = unreadable.reaper_readable((&["bad1", "2"], &["bad3"]), read, id);
+        let (expired, past) = unreadable.reaper_readable((&["bad1", "2"], &["bad3"]), read, key);
         assert_eq!((expired.len(), past.len()), (1, 0));
         let mut aside = unreadable.set_aside();
         aside.sort();
         assert_eq!(aside, ["1", "3"]);
-        let ids = unreadable.due_again().expect("due at once");
-        for _ in 1..RECHECK_PASSES {
-            assert_eq!(unreadable.due_again(), None);
-        }
-        // Row 1 mended, row 3 still broken; a row deleted meanwhile is gone.
-        unreadable.rechecked(&ids, &["1", "bad3"], read, id);
+        let start = Instant::now();
+        let keys = unreadable.due_again_at(start).expect("due at once");
+        assert_eq!(unreadable.due_again_at(start + RECHECK_EVERY / 2), None);
+        // Row 1 mended, row 3 still broken.
+        unreadable.rechecked(&keys, &["1", "bad3"], read, key);
         assert_eq!(unreadable.set_aside(), ["3"]);
         assert_eq!(unreadable.left_out(), 3, "met again on the second look");
-        assert!(unreadable.due_again().is_some(), "due after as many passes");
-        unreadable.rechecked(&["3".to_string()], &[] as &[&str], read, id);
-        assert!(unreadable.set_aside().is_empty(), "deleted");
+        let keys = unreadable
+            .due_again_at(start + RECHECK_EVERY)
+            .expect("due a minute later");
+        // Deleted meanwhile: no row came back.
+        unreadable.rechecked(&keys, &[] as &[&str], read, key);
+        assert!(unreadable.set_aside().is_empty());
+    }
+
+    #[test]
+    fn at_most_so_many_rows_are_set_aside() {
+        let unreadable = Unreadable::default();
+        let rows: Vec<String> = (0..=MAX_SET_ASIDE).map(|i| format!("bad{i}")).collect();
+        let rows: Vec<&str> = rows.iter().map(String::as_str).collect();
+        unreadable.reaper_readable((&rows, &[]), read, key);
+        assert_eq!(unreadable.set_aside().len(), MAX_SET_ASIDE);
     }
 }

@@ -12,6 +12,7 @@ use nix::unistd::Pid;
 use serde_json::Value;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, Command};
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::worker::{CancelReason, Job, JobContext, JobError};
@@ -82,7 +83,10 @@ impl CommandSpec {
                 format!("cannot start {:?}: {e}", self.program),
             )
         })?;
-        let pid = child.id().and_then(|id| i32::try_from(id).ok());
+        let mut exit = child
+            .id()
+            .and_then(|id| i32::try_from(id).ok())
+            .map(ExitWatch::spawn);
 
         let payload = serde_json::to_vec(&job.payload).unwrap_or_default();
         let stdin = child.stdin.take().map(|mut stdin| {
@@ -105,9 +109,9 @@ impl CommandSpec {
             .map(|err| tokio::spawn(tail(err, STDERR_TAIL_BYTES, stop_reading.clone())));
 
         let status = tokio::select! {
-            status = reap_after_group(&mut child, pid) => status,
+            status = reap_after_group(&mut child, &mut exit) => status,
             () = ctx.cancelled() => {
-                let status = self.terminate(&mut child, pid).await;
+                let status = self.terminate(&mut child, &mut exit).await;
                 tracing::info!(job_id = %job.id, ?status, reason = ?ctx.cancel_reason(), "command stopped");
                 // A command that finished its work on SIGTERM at shutdown
                 // (exit 0) has its result read and reported like any
@@ -161,51 +165,91 @@ impl CommandSpec {
     }
 
     /// SIGTERM to the command's process group, SIGKILL after `kill_after`.
-    async fn terminate(&self, child: &mut Child, pid: Option<i32>) -> Option<ExitStatus> {
-        let Some(pid) = pid else {
+    async fn terminate(
+        &self,
+        child: &mut Child,
+        exit: &mut Option<ExitWatch>,
+    ) -> Option<ExitStatus> {
+        let Some(watch) = exit else {
             // Already reaped: nothing left to signal.
             return child.wait().await.ok();
         };
-        let _ = killpg(Pid::from_raw(pid), Signal::SIGTERM);
-        if tokio::time::timeout(self.kill_after, exited(pid))
+        let _ = killpg(watch.group, Signal::SIGTERM);
+        if tokio::time::timeout(self.kill_after, watch.exited())
             .await
             .is_err()
         {
-            let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
+            let _ = killpg(watch.group, Signal::SIGKILL);
         }
-        reap_after_group(child, Some(pid)).await.ok()
+        reap_after_group(child, exit).await.ok()
+    }
+}
+
+/// Knows when a command has exited without reaping it: one thread of the
+/// blocking pool per running command waits for that (`waitid` with
+/// `WNOWAIT`). While the command is unreaped its pid, which is its process
+/// group's id, cannot be given to another process, so signalling the group
+/// until then cannot reach an unrelated one.
+struct ExitWatch {
+    group: Pid,
+    /// `Some(true)` once the command exited, `Some(false)` if the wait
+    /// failed; closed if the wait never ran (the runtime shutting down).
+    state: watch::Receiver<Option<bool>>,
+}
+
+impl ExitWatch {
+    fn spawn(pid: i32) -> ExitWatch {
+        let (tell, state) = watch::channel(None);
+        tokio::task::spawn_blocking(move || {
+            let flags = WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT;
+            let exited = loop {
+                match waitid(Id::Pid(Pid::from_raw(pid)), flags) {
+                    // ECHILD: already reaped, so it has exited.
+                    Ok(_) | Err(Errno::ECHILD) => break true,
+                    Err(Errno::EINTR) => {}
+                    Err(err) => {
+                        tracing::warn!(error = %err, pid, "cannot wait for the command without reaping it");
+                        break false;
+                    }
+                }
+            };
+            let _ = tell.send(Some(exited));
+        });
+        ExitWatch {
+            group: Pid::from_raw(pid),
+            state,
+        }
+    }
+
+    /// Whether the command exited (it waits for that) and is still
+    /// unreaped; `false` when that cannot be known.
+    async fn exited(&mut self) -> bool {
+        matches!(
+            self.state.wait_for(Option::is_some).await.map(|s| *s),
+            Ok(Some(true))
+        )
     }
 }
 
 /// Waits for the command to exit, then SIGKILLs what is left of its process
 /// group (whatever it started would hold the pipes open and outlive the
-/// job, or ignored a SIGTERM), then reaps it. The group is signalled while
-/// the command is still unreaped: until then its pid, which is the group's
-/// id, cannot be given to another process, so the signal cannot reach one.
-async fn reap_after_group(child: &mut Child, pid: Option<i32>) -> std::io::Result<ExitStatus> {
-    if let Some(pid) = pid {
-        exited(pid).await?;
-        let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
+/// job, or ignored a SIGTERM), then reaps it. The group is signalled before
+/// the command is reaped (see [`ExitWatch`]); only when that wait failed is
+/// it signalled after.
+async fn reap_after_group(
+    child: &mut Child,
+    exit: &mut Option<ExitWatch>,
+) -> std::io::Result<ExitStatus> {
+    let Some(watch) = exit else {
+        return child.wait().await;
+    };
+    if watch.exited().await {
+        let _ = killpg(watch.group, Signal::SIGKILL);
+        return child.wait().await;
     }
-    child.wait().await
-}
-
-/// Resolves once process `pid` (a child of this process) has exited,
-/// without reaping it (`WNOWAIT`). The wait blocks a thread of the blocking
-/// pool, one per running command, until the command exits.
-async fn exited(pid: i32) -> std::io::Result<()> {
-    let wait = tokio::task::spawn_blocking(move || {
-        loop {
-            let flags = WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT;
-            match waitid(Id::Pid(Pid::from_raw(pid)), flags) {
-                // ECHILD: already reaped, so it has exited.
-                Ok(_) | Err(Errno::ECHILD) => return Ok(()),
-                Err(Errno::EINTR) => {}
-                Err(err) => return Err(std::io::Error::from(err)),
-            }
-        }
-    });
-    wait.await.map_err(std::io::Error::other)?
+    let status = child.wait().await;
+    let _ = killpg(watch.group, Signal::SIGKILL);
+    status
 }
 
 /// Checks that `program` names an executable file, as a path or through
@@ -393,16 +437,21 @@ mod tests {
             .process_group(0)
             .spawn()
             .expect("spawn");
-        let pid = child.id().and_then(|id| i32::try_from(id).ok());
-        let leader = pid.expect("running");
-        exited(leader).await.expect("exited");
+        let leader = child
+            .id()
+            .and_then(|id| i32::try_from(id).ok())
+            .expect("running");
+        let mut exit = Some(ExitWatch::spawn(leader));
+        assert!(exit.as_mut().expect("watch").exited().await, "exited");
         let stat = std::fs::read_to_string(format!("/proc/{leader}/stat")).expect("still listed");
         let state = stat
             .rsplit(") ")
             .next()
             .and_then(|rest| rest.chars().next());
         assert_eq!(state, Some('Z'), "exited but not reaped: {stat}");
-        let status = reap_after_group(&mut child, pid).await.expect("reaped");
+        let status = reap_after_group(&mut child, &mut exit)
+            .await
+            .expect("reaped");
         assert_eq!(status.code(), Some(3));
         assert!(
             std::fs::metadata(format!("/proc/{leader}")).is_err(),
