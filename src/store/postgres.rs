@@ -1259,22 +1259,31 @@ impl PgStore {
     /// Reads again the rows the reaper set aside as unreadable, by primary
     /// key and a chunk at a time, and lets back in those mended or deleted
     /// (see `unreadable`). A failed read is logged and tried again at the
-    /// next look: the pass goes on without it.
+    /// next look: the pass goes on without it. One primary-key probe per
+    /// row, then the rows by tuple id, on a connection with the hot path's
+    /// planner settings: a join to the keys was planned (generic plans on a
+    /// young table) as a scan of the whole table.
     async fn recheck_unreadable(&self, keys: &[RowKey]) {
         for chunk in keys.chunks(RECHECK_CHUNK) {
             let (tenants, ids): (Vec<&str>, Vec<Uuid>) = chunk
                 .iter()
                 .filter_map(|k| Some((k.tenant.as_str(), k.id.parse::<Uuid>().ok()?)))
                 .unzip();
-            let read = sqlx::query(
-                "SELECT * FROM jobs WHERE (tenant, id) IN
-                     (SELECT * FROM unnest($1::text[], $2::uuid[]))",
-            )
-            .bind(&tenants)
-            .bind(&ids)
-            .fetch_all(&self.pool)
-            .await;
-            match read {
+            let read = async {
+                let mut conn = self.planned.acquire().await?;
+                let rows = sqlx::query(
+                    "SELECT * FROM jobs WHERE ctid = ANY(ARRAY(
+                         SELECT (SELECT f.ctid FROM jobs f WHERE f.tenant = k.tenant AND f.id = k.id)
+                         FROM unnest($1::text[], $2::uuid[]) AS k(tenant, id)))",
+                )
+                .bind(&tenants)
+                .bind(&ids)
+                .fetch_all(&mut *conn)
+                .await?;
+                conn.finish();
+                StoreResult::Ok(rows)
+            };
+            match read.await {
                 Ok(rows) => self
                     .unreadable
                     .rechecked(chunk, &rows, job_from_row, row_key),
@@ -2240,9 +2249,9 @@ impl Store for PgStore {
         if let Some(keys) = self.unreadable.due_again() {
             self.recheck_unreadable(&keys).await;
         }
-        // Rows that cannot be read are read past (see `unreadable`). An
-        // anti-join rather than `<> ALL`: a generic plan compares each row
-        // with every element of a bound array.
+        // Rows that cannot be read are read past (see `unreadable`). Each
+        // expired row is compared with every id set aside, which their cap
+        // keeps small.
         let set_aside: Vec<Uuid> = self
             .unreadable
             .set_aside()
@@ -2252,8 +2261,7 @@ impl Store for PgStore {
         let mut tx = self.pool.begin().await?;
         let expired_leases = sqlx::query(
             "SELECT *, now() AS db_now FROM jobs
-             WHERE state = 'running' AND lease_expires_at <= now()
-               AND NOT EXISTS (SELECT 1 FROM unnest($2::uuid[]) AS aside(id) WHERE aside.id = jobs.id)
+             WHERE state = 'running' AND lease_expires_at <= now() AND NOT (id = ANY($2))
              ORDER BY lease_expires_at LIMIT $1 FOR UPDATE SKIP LOCKED",
         )
         .bind(i64::from(batch))
@@ -2262,8 +2270,7 @@ impl Store for PgStore {
         .await?;
         let past_deadline = sqlx::query(
             "SELECT *, now() AS db_now FROM jobs
-             WHERE state = 'queued' AND deadline <= now()
-               AND NOT EXISTS (SELECT 1 FROM unnest($2::uuid[]) AS aside(id) WHERE aside.id = jobs.id)
+             WHERE state = 'queued' AND deadline <= now() AND NOT (id = ANY($2))
              ORDER BY deadline LIMIT $1 FOR UPDATE SKIP LOCKED",
         )
         .bind(i64::from(batch))

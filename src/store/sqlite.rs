@@ -1412,3 +1412,91 @@ impl Store for SqliteStore {
         stored_now()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// As on PostgreSQL (`a_mended_row_set_aside_by_the_reaper_is_let_back_in`):
+    /// an unreadable expired lease is set aside by the reaper, stays aside
+    /// while a second look finds it still broken, and once mended is let
+    /// back in and reclaimed.
+    #[tokio::test]
+    async fn a_mended_row_set_aside_by_the_reaper_is_let_back_in() {
+        let dir = tempfile::tempdir().expect("dir");
+        let url = format!("sqlite://{}", dir.path().join("jobs.db").display());
+        let store = SqliteStore::open(&Settings::new(&url), Arc::new(Notifier::new()))
+            .await
+            .expect("open");
+        let job = NewJob {
+            queue: "q".into(),
+            kind: "k".into(),
+            payload: serde_json::json!({}),
+            idempotency_key: None,
+            input_hash: "h".into(),
+            priority: 0,
+            run_at: None,
+            deadline: None,
+            max_attempts: 3,
+            backoff: Backoff::try_new(Duration::from_secs(60), Duration::from_secs(60))
+                .expect("valid"),
+            labels: BTreeMap::new(),
+            callback_url: None,
+            max_cost_cents: None,
+            trace_parent: None,
+        };
+        store.submit("default", vec![job]).await.expect("submit");
+        let short = LeaseSpec {
+            worker_id: "w".into(),
+            queues: vec!["q".into()],
+            kinds: Vec::new(),
+            max_jobs: 1,
+            lease_duration: Duration::from_millis(50),
+            wait: Duration::ZERO,
+            all_tenants: false,
+        };
+        let leased = store
+            .lease("default", &[short])
+            .await
+            .expect("lease")
+            .concat();
+        let id = leased.first().expect("leased").id.to_string();
+        let set_labels = |labels: &'static str| {
+            sqlx::query("UPDATE jobs SET labels = ?1 WHERE id = ?2")
+                .bind(labels)
+                .bind(id.clone())
+        };
+        set_labels("[1]")
+            .execute(&store.writer)
+            .await
+            .expect("break the row");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let reaped = store
+            .reap(10, Duration::from_secs(3600))
+            .await
+            .expect("reap");
+        assert_eq!(reaped.expired_leases, 0);
+        assert_eq!(store.unreadable.set_aside(), std::slice::from_ref(&id));
+        let keys = store
+            .unreadable
+            .due_again()
+            .expect("the first look is due at once");
+        store.recheck_unreadable(&keys).await;
+        assert_eq!(
+            store.unreadable.set_aside(),
+            std::slice::from_ref(&id),
+            "still broken"
+        );
+        set_labels("{}")
+            .execute(&store.writer)
+            .await
+            .expect("mend the row");
+        store.recheck_unreadable(&keys).await;
+        assert!(store.unreadable.set_aside().is_empty(), "mended");
+        let reaped = store
+            .reap(10, Duration::from_secs(3600))
+            .await
+            .expect("reap");
+        assert_eq!(reaped.expired_leases, 1, "reclaimed once mended");
+    }
+}

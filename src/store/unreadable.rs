@@ -28,9 +28,10 @@ use super::StoreResult;
 
 /// How often the rows set aside are read again.
 const RECHECK_EVERY: Duration = Duration::from_secs(60);
-/// Most rows set aside per store. Beyond it the reaper meets the others on
-/// every pass again, and 500 of them stall it until they are mended.
-const MAX_SET_ASIDE: usize = 10_000;
+/// Most rows set aside per store: each pass compares every expired row
+/// with each of them. Beyond it the reaper meets the others on every pass
+/// again, and 500 of those stall it until they are mended.
+const MAX_SET_ASIDE: usize = 2_000;
 /// Rows read per statement when the rows set aside are read again: each is
 /// read whole, payload and all.
 pub const RECHECK_CHUNK: usize = 100;
@@ -113,7 +114,7 @@ impl Unreadable {
 
     /// The rows to read again now (by key, in chunks of [`RECHECK_CHUNK`]),
     /// if any are set aside and the last reading was [`RECHECK_EVERY`] ago;
-    /// the first comes at once. The caller hands what it read to
+    /// the first after the set was empty comes at once. The caller hands what it read to
     /// [`Self::rechecked`].
     pub fn due_again(&self) -> Option<Vec<RowKey>> {
         self.due_again_at(Instant::now())
@@ -143,6 +144,10 @@ impl Unreadable {
         let mut set = self.lock();
         for key in keys.iter().filter(|key| !still.contains(key)) {
             set.keys.remove(key);
+        }
+        if set.keys.is_empty() {
+            // Rows set aside later get their first look at once too.
+            set.checked = None;
         }
     }
 
@@ -237,6 +242,11 @@ mod tests {
         // Deleted meanwhile: no row came back.
         unreadable.rechecked(&keys, &[] as &[&str], read, key);
         assert!(unreadable.set_aside().is_empty());
+        unreadable.reaper_readable((&["bad4"], &[]), read, key);
+        assert!(
+            unreadable.due_again().is_some(),
+            "a new set is looked at once"
+        );
     }
 
     #[test]

@@ -174,12 +174,26 @@ impl CommandSpec {
             // Already reaped: nothing left to signal.
             return child.wait().await.ok();
         };
-        let _ = killpg(watch.group, Signal::SIGTERM);
-        if tokio::time::timeout(self.kill_after, watch.exited())
-            .await
-            .is_err()
-        {
-            let _ = killpg(watch.group, Signal::SIGKILL);
+        let group = watch.group;
+        let _ = killpg(group, Signal::SIGTERM);
+        match tokio::time::timeout(self.kill_after, watch.exited()).await {
+            Ok(true) => {}
+            Err(_) => {
+                let _ = killpg(group, Signal::SIGKILL);
+            }
+            // The wait failed, so the exit cannot be known without reaping:
+            // the command gets its time to exit, then the group is killed.
+            Ok(false) => {
+                let status = match tokio::time::timeout(self.kill_after, child.wait()).await {
+                    Ok(status) => status.ok(),
+                    Err(_) => {
+                        let _ = killpg(group, Signal::SIGKILL);
+                        child.wait().await.ok()
+                    }
+                };
+                let _ = killpg(group, Signal::SIGKILL);
+                return status;
+            }
         }
         reap_after_group(child, exit).await.ok()
     }
