@@ -2868,7 +2868,7 @@ async fn coalesced_neighbours_are_independent(backend: Backend) {
 /// write must see it and redo the outcome on the new row rather than write
 /// over it with what it read.
 async fn complete_keeps_a_change_made_after_its_read() {
-    use sqlx::{Connection, Row};
+    use sqlx::Connection;
     let server = TestServer::start(Backend::Postgres).await;
     let mut jobs = server.jobs_client("t");
     let mut workers = server.workers_client("t");
@@ -2892,15 +2892,7 @@ async fn complete_keeps_a_change_made_after_its_read() {
         tokio::spawn(async move { completer.complete(success_req(&call, json!("r"))).await });
     let deadline = Instant::now() + LONG;
     loop {
-        let waiting: i64 = sqlx::query(
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .fetch_one(&mut watcher)
-        .await
-        .expect("pg_stat_activity")
-        .get(0);
-        if waiting > 0 {
+        if lock_waiters(&mut watcher).await > 0 {
             break;
         }
         assert!(

@@ -688,14 +688,7 @@ async fn ports_open_after_migrations() {
     let mut probe = sqlx::PgConnection::connect(&db.url).await.expect("connect");
     let started = Instant::now();
     loop {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .fetch_one(&mut probe)
-        .await
-        .expect("read the activity");
-        if waiting > 0 {
+        if common::lock_waiters(&mut probe).await > 0 {
             break;
         }
         assert!(!server.proc.exited(), "the server exited during startup");

@@ -7,7 +7,7 @@ use chrono::{DateTime, TimeZone, Utc};
 use serde_json::json;
 use uuid::Uuid;
 
-use super::{Backoff, Job, JobState};
+use super::{Backoff, Job, JobState, LeaseSpec, NewJob};
 
 /// A fixed instant, `secs` seconds after the fixtures' epoch.
 pub fn t(secs: i64) -> DateTime<Utc> {
@@ -53,5 +53,39 @@ pub fn running(attempt: u32, max_attempts: u32) -> Job {
         event_seq: 2,
         trace_parent: None,
         leased_at: Some(t(0)),
+    }
+}
+
+/// A job of queue `q` and kind `k` to submit.
+pub fn new_job() -> NewJob {
+    NewJob {
+        queue: "q".into(),
+        kind: "k".into(),
+        payload: json!({}),
+        idempotency_key: None,
+        input_hash: "h".into(),
+        priority: 0,
+        run_at: None,
+        deadline: None,
+        max_attempts: 3,
+        backoff: Backoff::try_new(Duration::from_secs(60), Duration::from_secs(60)).expect("valid"),
+        labels: BTreeMap::new(),
+        callback_url: None,
+        max_cost_cents: None,
+        trace_parent: None,
+    }
+}
+
+/// A lease of up to `max_jobs` from queue `q` for `worker`, for 60 s,
+/// without waiting.
+pub fn lease_spec(worker: &str, max_jobs: u32) -> LeaseSpec {
+    LeaseSpec {
+        worker_id: worker.into(),
+        queues: vec!["q".into()],
+        kinds: Vec::new(),
+        max_jobs,
+        lease_duration: Duration::from_secs(60),
+        wait: Duration::ZERO,
+        all_tenants: false,
     }
 }

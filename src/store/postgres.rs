@@ -2451,6 +2451,7 @@ mod tests {
     use sqlx::Executor;
 
     use super::*;
+    use crate::domain::fixtures::{lease_spec, new_job};
     use crate::domain::{JobState, Outcome};
 
     /// The admin URL the integration tests use.
@@ -2546,40 +2547,6 @@ mod tests {
         let merged = WRITE_THEN_CLAIM.as_str();
         assert!(merged.contains("$24::text[]") && merged.contains("$34"));
         assert!(!merged.contains("$35"), "the claim takes ten parameters");
-    }
-
-    /// A job of queue `q` to submit.
-    fn new_job() -> NewJob {
-        NewJob {
-            queue: "q".into(),
-            kind: "k".into(),
-            payload: serde_json::json!({}),
-            idempotency_key: None,
-            input_hash: "h".into(),
-            priority: 0,
-            run_at: None,
-            deadline: None,
-            max_attempts: 3,
-            backoff: Backoff::try_new(Duration::from_secs(60), Duration::from_secs(60))
-                .expect("valid"),
-            labels: BTreeMap::new(),
-            callback_url: None,
-            max_cost_cents: None,
-            trace_parent: None,
-        }
-    }
-
-    /// A lease of up to `max_jobs` from queue `q` for `worker`.
-    fn lease_spec(worker: &str, max_jobs: u32) -> LeaseSpec {
-        LeaseSpec {
-            worker_id: worker.into(),
-            queues: vec!["q".into()],
-            kinds: Vec::new(),
-            max_jobs,
-            lease_duration: Duration::from_secs(60),
-            wait: Duration::ZERO,
-            all_tenants: false,
-        }
     }
 
     /// The outcome `outcome` for a job leased as `job`.

@@ -1416,6 +1416,7 @@ impl Store for SqliteStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::domain::fixtures::{lease_spec, new_job};
 
     /// As on PostgreSQL (`a_mended_row_set_aside_by_the_reaper_is_let_back_in`):
     /// an unreadable expired lease is set aside by the reaper, stays aside
@@ -1428,32 +1429,13 @@ mod tests {
         let store = SqliteStore::open(&Settings::new(&url), Arc::new(Notifier::new()))
             .await
             .expect("open");
-        let job = NewJob {
-            queue: "q".into(),
-            kind: "k".into(),
-            payload: serde_json::json!({}),
-            idempotency_key: None,
-            input_hash: "h".into(),
-            priority: 0,
-            run_at: None,
-            deadline: None,
-            max_attempts: 3,
-            backoff: Backoff::try_new(Duration::from_secs(60), Duration::from_secs(60))
-                .expect("valid"),
-            labels: BTreeMap::new(),
-            callback_url: None,
-            max_cost_cents: None,
-            trace_parent: None,
-        };
-        store.submit("default", vec![job]).await.expect("submit");
+        store
+            .submit("default", vec![new_job()])
+            .await
+            .expect("submit");
         let short = LeaseSpec {
-            worker_id: "w".into(),
-            queues: vec!["q".into()],
-            kinds: Vec::new(),
-            max_jobs: 1,
             lease_duration: Duration::from_millis(50),
-            wait: Duration::ZERO,
-            all_tenants: false,
+            ..lease_spec("w", 1)
         };
         let leased = store
             .lease("default", &[short])

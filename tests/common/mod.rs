@@ -906,3 +906,14 @@ pub fn parse(text: &str) -> HashMap<String, f64> {
         })
         .collect()
 }
+
+/// How many sessions of `conn`'s database wait for a lock now (PostgreSQL).
+pub async fn lock_waiters(conn: &mut sqlx::PgConnection) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity
+         WHERE datname = current_database() AND wait_event_type = 'Lock'",
+    )
+    .fetch_one(conn)
+    .await
+    .expect("read pg_stat_activity")
+}
