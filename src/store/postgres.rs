@@ -259,6 +259,22 @@ macro_rules! in_dead_set {
     };
 }
 
+/// The jobs a replay filter matches: tenant `$1`, states `$2` (only
+/// dead-set ones: validation admits no others, and saying so lets any plan
+/// read jobs_replayable), queue `$3`, kind `$4`, error class `$5`.
+macro_rules! replay_filter {
+    () => {
+        concat!(
+            "tenant = $1 AND state = ANY($2) AND ",
+            in_dead_set!(),
+            "
+               AND ($3::text IS NULL OR queue = $3)
+               AND ($4::text IS NULL OR kind = $4)
+               AND ($5::text IS NULL OR error_class = $5)"
+        )
+    };
+}
+
 /// `ListJobs`, newest first, with `$extra` spliced into the filter.
 macro_rules! list_statement {
     ($extra:expr) => {
@@ -1908,14 +1924,9 @@ impl Store for PgStore {
         let rows = sqlx::query(concat!(
             "SELECT error_class, queue, count(*) AS jobs,
                     COALESCE(sum(cost_cents), 0)::int8 AS cost_cents
-             FROM (SELECT error_class, queue, cost_cents FROM jobs
-                   WHERE tenant = $1 AND state = ANY($2)
-                     AND ",
-            in_dead_set!(),
+             FROM (SELECT error_class, queue, cost_cents FROM jobs WHERE ",
+            replay_filter!(),
             "
-                     AND ($3::text IS NULL OR queue = $3)
-                     AND ($4::text IS NULL OR kind = $4)
-                     AND ($5::text IS NULL OR error_class = $5)
                    LIMIT $6) matching
              GROUP BY error_class, queue
              ORDER BY jobs DESC, error_class, queue"
@@ -1949,19 +1960,11 @@ impl Store for PgStore {
         filter: &RetryFilter,
         dry_run: bool,
     ) -> StoreResult<Retried> {
-        // Validation admits only dead-set states; the queries also say so,
-        // which lets any plan read jobs_replayable.
         let states: Vec<&str> = filter.states.iter().map(|s| s.as_str()).collect();
         let mut tx = self.pool.begin().await?;
         let matched: i64 = sqlx::query_scalar(concat!(
-            "SELECT count(*) FROM jobs
-             WHERE tenant = $1 AND state = ANY($2)
-               AND ",
-            in_dead_set!(),
-            "
-               AND ($3::text IS NULL OR queue = $3)
-               AND ($4::text IS NULL OR kind = $4)
-               AND ($5::text IS NULL OR error_class = $5)"
+            "SELECT count(*) FROM jobs WHERE ",
+            replay_filter!()
         ))
         .bind(tenant)
         .bind(&states)
@@ -1978,14 +1981,9 @@ impl Store for PgStore {
             });
         }
         let rows = sqlx::query(concat!(
-            "SELECT *, now() AS db_now FROM jobs
-             WHERE tenant = $1 AND state = ANY($2)
-               AND ",
-            in_dead_set!(),
+            "SELECT *, now() AS db_now FROM jobs WHERE ",
+            replay_filter!(),
             "
-               AND ($3::text IS NULL OR queue = $3)
-               AND ($4::text IS NULL OR kind = $4)
-               AND ($5::text IS NULL OR error_class = $5)
              ORDER BY id
              LIMIT $6
              FOR UPDATE SKIP LOCKED"

@@ -145,6 +145,17 @@ fn to_u64(v: i64, column: &str) -> StoreResult<u64> {
     u64::try_from(v).map_err(|_| corrupt(column))
 }
 
+/// The jobs a replay filter matches: tenant `?1`, states `?2` (a JSON
+/// array), queue `?3`, kind `?4`, error class `?5`.
+macro_rules! replay_filter {
+    () => {
+        "tenant = ?1 AND state IN (SELECT value FROM json_each(?2))
+               AND (?3 IS NULL OR queue = ?3)
+               AND (?4 IS NULL OR kind = ?4)
+               AND (?5 IS NULL OR error_class = ?5)"
+    };
+}
+
 /// A job row's id alone, for naming a row that cannot be read whole.
 fn row_id(row: &SqliteRow) -> Option<String> {
     row.try_get("id").ok()
@@ -883,15 +894,14 @@ impl Store for SqliteStore {
     async fn group_matching(&self, tenant: &str, filter: &RetryFilter) -> StoreResult<Grouped> {
         let states: Vec<&str> = filter.states.iter().map(|s| s.as_str()).collect();
         let rows = sqlx::query(
-            "SELECT error_class, queue, count(*) AS jobs, COALESCE(sum(cost_cents), 0) AS cost_cents
-             FROM (SELECT error_class, queue, cost_cents FROM jobs
-                   WHERE tenant = ?1 AND state IN (SELECT value FROM json_each(?2))
-                     AND (?3 IS NULL OR queue = ?3)
-                     AND (?4 IS NULL OR kind = ?4)
-                     AND (?5 IS NULL OR error_class = ?5)
-                   LIMIT ?6)
-             GROUP BY error_class, queue
-             ORDER BY jobs DESC, error_class, queue",
+            concat!(
+                "SELECT error_class, queue, count(*) AS jobs, COALESCE(sum(cost_cents), 0) AS cost_cents
+                 FROM (SELECT error_class, queue, cost_cents FROM jobs WHERE ",
+                replay_filter!(),
+                " LIMIT ?6)
+                 GROUP BY error_class, queue
+                 ORDER BY jobs DESC, error_class, queue"
+            ),
         )
         .bind(tenant)
         .bind(to_json(&states))
@@ -924,13 +934,10 @@ impl Store for SqliteStore {
     ) -> StoreResult<Retried> {
         let states: Vec<&str> = filter.states.iter().map(|s| s.as_str()).collect();
         let mut tx = self.begin().await?;
-        let matched: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM jobs
-             WHERE tenant = ?1 AND state IN (SELECT value FROM json_each(?2))
-               AND (?3 IS NULL OR queue = ?3)
-               AND (?4 IS NULL OR kind = ?4)
-               AND (?5 IS NULL OR error_class = ?5)",
-        )
+        let matched: i64 = sqlx::query_scalar(concat!(
+            "SELECT count(*) FROM jobs WHERE ",
+            replay_filter!()
+        ))
         .bind(tenant)
         .bind(to_json(&states))
         .bind(filter.queue.as_deref())
@@ -945,14 +952,11 @@ impl Store for SqliteStore {
                 matched,
             });
         }
-        let rows = sqlx::query(
-            "SELECT * FROM jobs
-             WHERE tenant = ?1 AND state IN (SELECT value FROM json_each(?2))
-               AND (?3 IS NULL OR queue = ?3)
-               AND (?4 IS NULL OR kind = ?4)
-               AND (?5 IS NULL OR error_class = ?5)
-             ORDER BY id LIMIT ?6",
-        )
+        let rows = sqlx::query(concat!(
+            "SELECT * FROM jobs WHERE ",
+            replay_filter!(),
+            " ORDER BY id LIMIT ?6"
+        ))
         .bind(tenant)
         .bind(to_json(&states))
         .bind(filter.queue.as_deref())
