@@ -371,6 +371,16 @@ pub fn delivery(d: &crate::store::outbox::Delivery) -> serde_json::Value {
     })
 }
 
+/// A group of the dead set as `GET /api/v1/dead-set` shows it.
+pub fn job_group(g: &crate::store::JobGroup) -> serde_json::Value {
+    serde_json::json!({
+        "error_class": g.error_class,
+        "queue": g.queue,
+        "jobs": g.jobs,
+        "cost_cents": g.cost_cents,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -80,18 +80,8 @@ impl JobsApi {
         let mut filter = validate::retry_filter(&f.queue, &f.kind, &f.error_class, states, None)?;
         filter.limit = GROUPED_JOBS;
         let grouped = self.ctx.store.group_matching(&tenant, &filter).await?;
-        let groups: Vec<serde_json::Value> = grouped
-            .groups
-            .iter()
-            .map(|g| {
-                serde_json::json!({
-                    "error_class": g.error_class,
-                    "queue": g.queue,
-                    "jobs": g.jobs,
-                    "cost_cents": g.cost_cents,
-                })
-            })
-            .collect();
+        let groups: Vec<serde_json::Value> =
+            grouped.groups.iter().map(convert::job_group).collect();
         Ok(Response::new(serde_json::json!({
             "groups": groups,
             "complete": grouped.complete,
