@@ -3052,8 +3052,8 @@ mod tests {
     }
 
     /// An unreadable expired lease is set aside by the reaper, stays aside
-    /// while a second look by key finds it still broken, and once mended
-    /// is let back in and reclaimed.
+    /// while a second look by key finds it still broken or fails, and once
+    /// mended is let back in and reclaimed.
     #[tokio::test]
     async fn a_mended_row_set_aside_by_the_reaper_is_let_back_in() {
         let scratch = Scratch::new("intray_set_aside").await;
@@ -3103,12 +3103,55 @@ mod tests {
             .execute(&mut db)
             .await
             .expect("mend the row");
-        store.recheck_unreadable(&keys).await;
-        assert!(store.unreadable.set_aside().is_empty(), "mended");
-        let reaped = store
-            .reap(10, Duration::from_secs(3600))
+        // The second look's connection (the one just used, handed out
+        // first) is cut off: that look fails, and the row stays aside.
+        let cut: Vec<i32> = sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity
+             WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        )
+        .fetch_all(&mut db)
+        .await
+        .expect("read pg_stat_activity");
+        assert!(!cut.is_empty(), "the store holds connections");
+        sqlx::query("SELECT pg_terminate_backend(pid) FROM unnest($1::int[]) AS pid")
+            .bind(&cut)
+            .execute(&mut db)
             .await
-            .expect("reap");
+            .expect("cut the store's connections");
+        while sqlx::query_scalar::<_, bool>(
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = ANY($1))",
+        )
+        .bind(&cut)
+        .fetch_one(&mut db)
+        .await
+        .expect("read pg_stat_activity")
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        store.recheck_unreadable(&keys).await;
+        assert_eq!(
+            store.unreadable.set_aside(),
+            [id.to_string()],
+            "a failed look lets nothing in"
+        );
+        // Each of the pool's other cut connections fails one look too.
+        for _ in 0..cut.len() {
+            store.recheck_unreadable(&keys).await;
+            if store.unreadable.set_aside().is_empty() {
+                break;
+            }
+        }
+        assert!(store.unreadable.set_aside().is_empty(), "mended");
+        // And each of the other pool's fails one pass (the reaper's next
+        // tick tries again).
+        let mut reaped = store.reap(10, Duration::from_secs(3600)).await;
+        for _ in 0..cut.len() {
+            if reaped.is_ok() {
+                break;
+            }
+            reaped = store.reap(10, Duration::from_secs(3600)).await;
+        }
+        let reaped = reaped.expect("reap");
         assert_eq!(reaped.expired_leases, 1, "reclaimed once mended");
         drop(store);
         drop(db);
