@@ -18,6 +18,13 @@ common::backend_tests!(
     batch_spreads_over_idle_workers,
 );
 
+mod postgres_only {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_batch_whose_caller_left_still_reaches_the_idle_worker() {
+        super::a_batch_whose_caller_left_still_reaches_the_idle_worker().await
+    }
+}
+
 /// Long-polls `queue` (and `kinds`) in a task; its answer comes back
 /// through the handle.
 fn wait_for_jobs(
@@ -229,5 +236,69 @@ async fn batch_spreads_over_idle_workers(backend: Backend) {
     let mut expected: Vec<String> = running.iter().map(|j| j.id.clone()).collect();
     expected.sort();
     assert_eq!(got, expected, "each worker got the job leased to it");
+    server.stop().await;
+}
+
+/// A `SubmitBatch` runs to its end even when its caller goes away while it
+/// waits on the database: it may commit jobs leased to parked `Lease`
+/// calls, and those calls must get them rather than hold them, unknown to
+/// anyone, until their leases run out. The batch's insert is held by an
+/// open transaction that gave another job the same idempotency key (the
+/// unique index makes the insert wait for its outcome); its caller is
+/// cancelled, then that transaction rolled back. (PostgreSQL: SQLite's
+/// writer lock would hold the server's every write.)
+async fn a_batch_whose_caller_left_still_reaches_the_idle_worker() {
+    use sqlx::Connection;
+    let server = server(Backend::Postgres).await;
+    let mut jobs = server.jobs_client("t");
+    let other = submit(&mut jobs, "elsewhere", "k", json!({})).await;
+    let url = server.settings.database_url.clone();
+    let mut holder = sqlx::PgConnection::connect(&url).await.expect("connect");
+    let mut watcher = sqlx::PgConnection::connect(&url).await.expect("connect");
+    let waiter = wait_for_jobs(&server, "idle", "left", &[], Duration::from_secs(20));
+    tokio::time::sleep(PARK).await;
+
+    let mut held = holder.begin().await.expect("BEGIN");
+    sqlx::query("UPDATE jobs SET idempotency_key = 'taken' WHERE id = $1::uuid")
+        .bind(&other.id)
+        .execute(&mut *held)
+        .await
+        .expect("take the key");
+    let caller = tokio::spawn(async move {
+        let mut job = submit_req("left", "k", json!({ "i": 1 }));
+        job.idempotency_key = "taken".into();
+        jobs.submit_batch(pb::SubmitBatchRequest { jobs: vec![job] })
+            .await
+    });
+    within(
+        Duration::from_secs(10),
+        "the batch waits for the key",
+        async {
+            while lock_waiters(&mut watcher).await == 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        },
+    )
+    .await;
+    caller.abort();
+    assert!(
+        caller.await.is_err_and(|e| e.is_cancelled()),
+        "the caller went away before the answer"
+    );
+    // Time for the server to see the stream reset before the batch can go
+    // on. Were the batch dropped with its call, it would roll back and the
+    // worker would get nothing.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    held.rollback().await.expect("ROLLBACK");
+
+    let leased = within(Duration::from_secs(10), "the idle worker's Lease", waiter)
+        .await
+        .expect("waiter task");
+    assert_eq!(leased.len(), 1, "the batch's job reached the idle worker");
+    let mut jobs = server.jobs_client("t");
+    let job = get(&mut jobs, &leased[0].job_id).await;
+    assert_eq!(state(&job), St::Running);
+    assert_eq!(job.lease_owner, "idle");
+    assert_eq!(job.idempotency_key, "taken");
     server.stop().await;
 }
