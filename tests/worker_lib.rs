@@ -21,6 +21,7 @@ common::backend_tests!(
     handler_success,
     a_busy_slot_gets_its_next_job_with_its_outcome,
     a_server_without_complete_and_lease_gets_plain_completes,
+    an_unreported_outcome_holds_the_next_job_back_a_third_of_a_lease,
     error_then_retry,
     cancellation_reaches_handler_within_one_heartbeat,
     lost_lease_fires_token,
@@ -157,16 +158,40 @@ async fn a_busy_slot_gets_its_next_job_with_its_outcome(backend: Backend) {
     server.stop().await;
 }
 
-/// A server as it was before `CompleteAndLease`: every other worker call
-/// goes through to the real server, and `CompleteAndLease` is answered
-/// `UNIMPLEMENTED`, as tonic answers a method it does not know.
-struct OlderServer {
+/// What a [`Proxy`] in front of the real server does to `CompleteAndLease`
+/// and `Complete`; every other worker call goes through.
+#[derive(Clone, Copy)]
+enum Fault {
+    /// A server as it was before `CompleteAndLease`: it is answered
+    /// `UNIMPLEMENTED`, as tonic answers a method it does not know.
+    OlderServer,
+    /// The first `CompleteAndLease` leases the next job but answers its
+    /// outcome `UNAVAILABLE`, and so is every `Complete` of that attempt
+    /// after: the outcome cannot be reported, the next job is running.
+    OutcomeUnavailable,
+}
+
+/// A server in front of the real one that injects a [`Fault`].
+struct Proxy {
     upstream: WorkersClient,
+    fault: Fault,
     chained_calls: Arc<AtomicUsize>,
+    /// The lease token whose outcomes are refused (`OutcomeUnavailable`).
+    refused: std::sync::Mutex<Option<String>>,
+}
+
+impl Proxy {
+    fn refuses(&self, token: &str) -> bool {
+        self.refused
+            .lock()
+            .expect("not poisoned")
+            .as_deref()
+            .is_some_and(|refused| refused == token)
+    }
 }
 
 #[tonic::async_trait]
-impl WorkerService for OlderServer {
+impl WorkerService for Proxy {
     async fn lease(
         &self,
         request: tonic::Request<pb::LeaseRequest>,
@@ -185,6 +210,9 @@ impl WorkerService for OlderServer {
         &self,
         request: tonic::Request<pb::CompleteRequest>,
     ) -> Result<tonic::Response<pb::CompleteResponse>, tonic::Status> {
+        if self.refuses(&request.get_ref().lease_token) {
+            return Err(tonic::Status::unavailable("injected: the outcome is lost"));
+        }
         self.upstream.clone().complete(request.into_inner()).await
     }
 
@@ -200,26 +228,56 @@ impl WorkerService for OlderServer {
 
     async fn complete_and_lease(
         &self,
-        _request: tonic::Request<pb::CompleteAndLeaseRequest>,
+        request: tonic::Request<pb::CompleteAndLeaseRequest>,
     ) -> Result<tonic::Response<pb::CompleteAndLeaseResponse>, tonic::Status> {
-        self.chained_calls.fetch_add(1, Ordering::SeqCst);
-        Err(tonic::Status::unimplemented(
-            "unknown method CompleteAndLease",
-        ))
+        let first = self.chained_calls.fetch_add(1, Ordering::SeqCst) == 0;
+        match self.fault {
+            Fault::OlderServer => Err(tonic::Status::unimplemented(
+                "unknown method CompleteAndLease",
+            )),
+            Fault::OutcomeUnavailable if first => {
+                let request = request.into_inner();
+                let [item] = request.items.as_slice() else {
+                    panic!("one outcome per call: {:?}", request.items);
+                };
+                *self.refused.lock().expect("not poisoned") = Some(item.lease_token.clone());
+                let lease = request.lease.expect("a claim");
+                let leased = self.upstream.clone().lease(lease).await?.into_inner();
+                let refused = pb::ItemError {
+                    code: tonic::Code::Unavailable as i32,
+                    message: "injected: the outcome is lost".into(),
+                    field: String::new(),
+                };
+                Ok(tonic::Response::new(pb::CompleteAndLeaseResponse {
+                    results: vec![pb::CompleteBatchResult {
+                        result: Some(pb::complete_batch_result::Result::Error(refused)),
+                    }],
+                    jobs: leased.jobs,
+                }))
+            }
+            Fault::OutcomeUnavailable => {
+                self.upstream
+                    .clone()
+                    .complete_and_lease(request.into_inner())
+                    .await
+            }
+        }
     }
 }
 
-/// Starts an [`OlderServer`] in front of `server`: its URL and its count of
-/// `CompleteAndLease` calls.
-async fn older_server_in_front_of(server: &TestServer) -> (String, Arc<AtomicUsize>) {
+/// Starts a [`Proxy`] with `fault` in front of `server`: its URL and its
+/// count of `CompleteAndLease` calls.
+async fn proxy_in_front_of(server: &TestServer, fault: Fault) -> (String, Arc<AtomicUsize>) {
     let chained_calls = Arc::new(AtomicUsize::new(0));
-    let proxy = OlderServer {
+    let proxy = Proxy {
         upstream: server.workers_client(TENANT),
+        fault,
         chained_calls: Arc::clone(&chained_calls),
+        refused: std::sync::Mutex::new(None),
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
-        .expect("bind the older server");
+        .expect("bind the proxy");
     let url = format!("http://{}", listener.local_addr().expect("its address"));
     let incoming = tonic::transport::server::TcpIncoming::from(listener);
     tokio::spawn(
@@ -238,7 +296,7 @@ async fn a_server_without_complete_and_lease_gets_plain_completes(backend: Backe
     for i in 0..JOBS {
         ids.push(submit(&mut jobs, "q", "echo", json!({"n": i})).await.id);
     }
-    let (url, chained_calls) = older_server_in_front_of(&server).await;
+    let (url, chained_calls) = proxy_in_front_of(&server, Fault::OlderServer).await;
     let worker = Running::start(builder_at(&url).queue("q").handler("echo", echo));
     for id in &ids {
         let done = wait_for_state(&mut jobs, id, St::Succeeded, LONG).await;
@@ -253,6 +311,50 @@ async fn a_server_without_complete_and_lease_gets_plain_completes(backend: Backe
     let calls = |method| worker_calls_ok(server.http_addr, method);
     assert_eq!(calls("Complete").await, JOBS as f64);
     assert_eq!(calls("CompleteAndLease").await, 0.0);
+    server.stop().await;
+}
+
+/// A slot whose outcome cannot be reported while `CompleteAndLease` has
+/// already leased it the next job retries that outcome for a third of a
+/// lease, not a whole one: the next job's lease runs from the claim, and
+/// its first heartbeat comes a third of a lease after its handler starts.
+/// Held back a whole lease, the next job would be reclaimed under its
+/// handler (the reaper runs every 100 ms here) and run a second time.
+async fn an_unreported_outcome_holds_the_next_job_back_a_third_of_a_lease(backend: Backend) {
+    const LEASE: Duration = Duration::from_secs(6);
+    let server = TestServer::start_with(backend, |s| {
+        s.reaper_interval = Duration::from_millis(100);
+    })
+    .await;
+    let mut jobs = server.jobs_client(TENANT);
+    let first = submit(&mut jobs, "q", "slow", json!({})).await;
+    let next = submit(&mut jobs, "q", "slow", json!({})).await;
+    let (url, chained_calls) = proxy_in_front_of(&server, Fault::OutcomeUnavailable).await;
+    let slow = |_: Job, _: JobContext| async {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        Ok(json!("done"))
+    };
+    let worker = Running::start(
+        builder_at(&url)
+            .queue("q")
+            .lease_duration(LEASE)
+            .handler("slow", slow),
+    );
+    let done = wait_for_state(&mut jobs, &next.id, St::Succeeded, LONG).await;
+    assert_eq!(done.attempt, 1, "the next job kept its first lease");
+    assert!(chained_calls.load(Ordering::SeqCst) >= 1);
+    let events = watch_all(&mut jobs, &next.id, 0, LONG).await;
+    assert!(
+        !events
+            .iter()
+            .any(|e| e.r#type == pb::JobEventType::LeaseExpired as i32),
+        "{:?}",
+        event_types(&events)
+    );
+    // The lost outcome's job is reclaimed when its lease ends, and run again.
+    let again = wait_for_state(&mut jobs, &first.id, St::Succeeded, LONG).await;
+    assert_eq!(again.attempt, 2);
+    worker.stop(LONG).await.expect("worker stops cleanly");
     server.stop().await;
 }
 

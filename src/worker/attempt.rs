@@ -276,7 +276,10 @@ async fn complete(
             | Code::Cancelled
                 if Instant::now() < give_up =>
             {
-                let delay = retry.next_delay();
+                // The last try comes at the limit, not a backoff past it.
+                let delay = retry
+                    .next_delay()
+                    .min(give_up.saturating_duration_since(Instant::now()));
                 tracing::warn!(job_id = %leased.job_id, code = ?status.code(), message = status.message(), retry_in = ?delay, "complete failed; retrying");
                 tokio::time::sleep(delay).await;
             }
