@@ -8,7 +8,8 @@
 //! naming what is missing: it never skips.
 //!
 //! Every outcome must go with `CompleteAndLease` (checked by the server's
-//! RPC metrics), and a busy worker's next job must come back with it.
+//! RPC metrics), and a busy worker's next job must come back with it. A
+//! blip of failed heartbeats (injected by a proxy) must not lose the job.
 
 mod common;
 
@@ -17,6 +18,7 @@ use std::process::{Command as StdCommand, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use common::proxy::{self, Fault};
 use common::*;
 use intray::pb::{self, JobState as St};
 use nix::sys::signal::{Signal, kill};
@@ -24,7 +26,7 @@ use nix::unistd::Pid;
 use serde_json::json;
 use tokio::process::Command;
 
-common::backend_tests!(python_worker_end_to_end);
+common::backend_tests!(python_worker_end_to_end, python_heartbeats_ride_out_a_blip);
 
 const TENANT: &str = "acme";
 const LONG: Duration = Duration::from_secs(20);
@@ -113,16 +115,13 @@ fn error_class(job: &pb::Job) -> String {
         .unwrap_or_default()
 }
 
-async fn python_worker_end_to_end(backend: Backend) {
-    let env = tokio::task::spawn_blocking(python_env)
-        .await
-        .expect("Python setup");
-    let server = TestServer::start(backend).await;
-    let mut jobs = server.jobs_client(TENANT);
-    let mut worker = Command::new(&env.python)
+/// The example worker on queue `py` of `addr`, with a 3 s lease, a 1 s
+/// long poll and a 1 s shutdown grace.
+fn start_worker(env: &PythonEnv, addr: &str) -> tokio::process::Child {
+    Command::new(&env.python)
         .arg("-u")
         .arg(manifest_dir().join("examples/python/worker.py"))
-        .args(["--addr", &server.addr.to_string(), "--tenant", TENANT])
+        .args(["--addr", addr, "--tenant", TENANT])
         .args(["--queue", "py", "--worker-id", "py-worker"])
         .args(["--lease-seconds", "3", "--wait-seconds", "1"])
         .args(["--grace-seconds", "1"])
@@ -131,7 +130,16 @@ async fn python_worker_end_to_end(backend: Backend) {
         .stdin(Stdio::null())
         .kill_on_drop(true)
         .spawn()
-        .expect("start the Python worker");
+        .expect("start the Python worker")
+}
+
+async fn python_worker_end_to_end(backend: Backend) {
+    let env = tokio::task::spawn_blocking(python_env)
+        .await
+        .expect("Python setup");
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let mut worker = start_worker(env, &server.addr.to_string());
 
     // Success: the payload comes back.
     let echo = submit(&mut jobs, "py", "echo", json!({"doc": "hi"})).await;
@@ -236,5 +244,30 @@ async fn python_worker_end_to_end(backend: Backend) {
     let back = get(&mut jobs, &long.id).await;
     assert_eq!(state(&back), St::Queued, "handed back: {back:?}");
     assert_eq!(error_class(&back), "worker_shutdown");
+    server.stop().await;
+}
+
+/// Heartbeats that fail for a moment (two answered `UNAVAILABLE`, through a
+/// proxy) are retried within the lease, and the job keeps its lease: it
+/// succeeds on its first attempt. A worker that took a failed heartbeat for a lost lease would
+/// drop the job, and it would run again.
+async fn python_heartbeats_ride_out_a_blip(backend: Backend) {
+    let env = tokio::task::spawn_blocking(python_env)
+        .await
+        .expect("Python setup");
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let (addr, calls) = proxy::start(&server, TENANT, Fault::HeartbeatsUnavailable(2)).await;
+    let mut worker = start_worker(env, &addr);
+    // Four seconds under a 3 s lease: the lease must be extended.
+    let sleep = submit(&mut jobs, "py", "sleep", json!({"seconds": 4})).await;
+    let done = wait_for_state(&mut jobs, &sleep.id, St::Succeeded, LONG).await;
+    assert_eq!(done.attempt, 1, "the job kept its lease through the blip");
+    let beats = calls.heartbeats();
+    assert!(
+        beats >= 3,
+        "two failed heartbeats, then one that went through: {beats}"
+    );
+    worker.kill().await.expect("stop the Python worker");
     server.stop().await;
 }

@@ -5,11 +5,10 @@
 mod common;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use common::proxy::{self, Fault};
 use common::*;
-use intray::pb::worker_service_server::{WorkerService, WorkerServiceServer};
 use intray::pb::{self, JobState as St};
 use intray::worker::{CancelReason, Job, JobContext, JobError, Worker, WorkerBuilder, WorkerError};
 use serde_json::{Value, json};
@@ -158,136 +157,6 @@ async fn a_busy_slot_gets_its_next_job_with_its_outcome(backend: Backend) {
     server.stop().await;
 }
 
-/// What a [`Proxy`] in front of the real server does to `CompleteAndLease`
-/// and `Complete`; every other worker call goes through.
-#[derive(Clone, Copy)]
-enum Fault {
-    /// A server as it was before `CompleteAndLease`: it is answered
-    /// `UNIMPLEMENTED`, as tonic answers a method it does not know.
-    OlderServer,
-    /// The first `CompleteAndLease` leases the next job but answers its
-    /// outcome `UNAVAILABLE`, and so is every `Complete` of that attempt
-    /// after: the outcome cannot be reported, the next job is running.
-    OutcomeUnavailable,
-}
-
-/// A server in front of the real one that injects a [`Fault`].
-struct Proxy {
-    upstream: WorkersClient,
-    fault: Fault,
-    chained_calls: Arc<AtomicUsize>,
-    /// The lease token whose outcomes are refused (`OutcomeUnavailable`).
-    refused: std::sync::Mutex<Option<String>>,
-}
-
-impl Proxy {
-    fn refuses(&self, token: &str) -> bool {
-        self.refused
-            .lock()
-            .expect("not poisoned")
-            .as_deref()
-            .is_some_and(|refused| refused == token)
-    }
-}
-
-#[tonic::async_trait]
-impl WorkerService for Proxy {
-    async fn lease(
-        &self,
-        request: tonic::Request<pb::LeaseRequest>,
-    ) -> Result<tonic::Response<pb::LeaseResponse>, tonic::Status> {
-        self.upstream.clone().lease(request.into_inner()).await
-    }
-
-    async fn heartbeat(
-        &self,
-        request: tonic::Request<pb::HeartbeatRequest>,
-    ) -> Result<tonic::Response<pb::HeartbeatResponse>, tonic::Status> {
-        self.upstream.clone().heartbeat(request.into_inner()).await
-    }
-
-    async fn complete(
-        &self,
-        request: tonic::Request<pb::CompleteRequest>,
-    ) -> Result<tonic::Response<pb::CompleteResponse>, tonic::Status> {
-        if self.refuses(&request.get_ref().lease_token) {
-            return Err(tonic::Status::unavailable("injected: the outcome is lost"));
-        }
-        self.upstream.clone().complete(request.into_inner()).await
-    }
-
-    async fn complete_batch(
-        &self,
-        request: tonic::Request<pb::CompleteBatchRequest>,
-    ) -> Result<tonic::Response<pb::CompleteBatchResponse>, tonic::Status> {
-        self.upstream
-            .clone()
-            .complete_batch(request.into_inner())
-            .await
-    }
-
-    async fn complete_and_lease(
-        &self,
-        request: tonic::Request<pb::CompleteAndLeaseRequest>,
-    ) -> Result<tonic::Response<pb::CompleteAndLeaseResponse>, tonic::Status> {
-        let first = self.chained_calls.fetch_add(1, Ordering::SeqCst) == 0;
-        match self.fault {
-            Fault::OlderServer => Err(tonic::Status::unimplemented(
-                "unknown method CompleteAndLease",
-            )),
-            Fault::OutcomeUnavailable if first => {
-                let request = request.into_inner();
-                let [item] = request.items.as_slice() else {
-                    panic!("one outcome per call: {:?}", request.items);
-                };
-                *self.refused.lock().expect("not poisoned") = Some(item.lease_token.clone());
-                let lease = request.lease.expect("a claim");
-                let leased = self.upstream.clone().lease(lease).await?.into_inner();
-                let refused = pb::ItemError {
-                    code: tonic::Code::Unavailable as i32,
-                    message: "injected: the outcome is lost".into(),
-                    field: String::new(),
-                };
-                Ok(tonic::Response::new(pb::CompleteAndLeaseResponse {
-                    results: vec![pb::CompleteBatchResult {
-                        result: Some(pb::complete_batch_result::Result::Error(refused)),
-                    }],
-                    jobs: leased.jobs,
-                }))
-            }
-            Fault::OutcomeUnavailable => {
-                self.upstream
-                    .clone()
-                    .complete_and_lease(request.into_inner())
-                    .await
-            }
-        }
-    }
-}
-
-/// Starts a [`Proxy`] with `fault` in front of `server`: its URL and its
-/// count of `CompleteAndLease` calls.
-async fn proxy_in_front_of(server: &TestServer, fault: Fault) -> (String, Arc<AtomicUsize>) {
-    let chained_calls = Arc::new(AtomicUsize::new(0));
-    let proxy = Proxy {
-        upstream: server.workers_client(TENANT),
-        fault,
-        chained_calls: Arc::clone(&chained_calls),
-        refused: std::sync::Mutex::new(None),
-    };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind the proxy");
-    let url = format!("http://{}", listener.local_addr().expect("its address"));
-    let incoming = tonic::transport::server::TcpIncoming::from(listener);
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(WorkerServiceServer::new(proxy))
-            .serve_with_incoming(incoming),
-    );
-    (url, chained_calls)
-}
-
 async fn a_server_without_complete_and_lease_gets_plain_completes(backend: Backend) {
     const JOBS: usize = 6;
     let server = TestServer::start(backend).await;
@@ -296,7 +165,8 @@ async fn a_server_without_complete_and_lease_gets_plain_completes(backend: Backe
     for i in 0..JOBS {
         ids.push(submit(&mut jobs, "q", "echo", json!({"n": i})).await.id);
     }
-    let (url, chained_calls) = proxy_in_front_of(&server, Fault::OlderServer).await;
+    let (addr, calls) = proxy::start(&server, TENANT, Fault::OlderServer).await;
+    let url = format!("http://{addr}");
     let worker = Running::start(builder_at(&url).queue("q").handler("echo", echo));
     for id in &ids {
         let done = wait_for_state(&mut jobs, id, St::Succeeded, LONG).await;
@@ -304,7 +174,7 @@ async fn a_server_without_complete_and_lease_gets_plain_completes(backend: Backe
     }
     worker.stop(LONG).await.expect("worker stops cleanly");
     assert_eq!(
-        chained_calls.load(Ordering::SeqCst),
+        calls.chained(),
         1,
         "one UNIMPLEMENTED answer switches the worker to Complete for good"
     );
@@ -329,7 +199,8 @@ async fn an_unreported_outcome_holds_the_next_job_back_a_third_of_a_lease(backen
     let mut jobs = server.jobs_client(TENANT);
     let first = submit(&mut jobs, "q", "slow", json!({})).await;
     let next = submit(&mut jobs, "q", "slow", json!({})).await;
-    let (url, chained_calls) = proxy_in_front_of(&server, Fault::OutcomeUnavailable).await;
+    let (addr, calls) = proxy::start(&server, TENANT, Fault::OutcomeUnavailable).await;
+    let url = format!("http://{addr}");
     let slow = |_: Job, _: JobContext| async {
         tokio::time::sleep(Duration::from_secs(1)).await;
         Ok(json!("done"))
@@ -341,16 +212,9 @@ async fn an_unreported_outcome_holds_the_next_job_back_a_third_of_a_lease(backen
             .handler("slow", slow),
     );
     let done = wait_for_state(&mut jobs, &next.id, St::Succeeded, LONG).await;
+    // A lease that ran out would have put it back, to run a second time.
     assert_eq!(done.attempt, 1, "the next job kept its first lease");
-    assert!(chained_calls.load(Ordering::SeqCst) >= 1);
-    let events = watch_all(&mut jobs, &next.id, 0, LONG).await;
-    assert!(
-        !events
-            .iter()
-            .any(|e| e.r#type == pb::JobEventType::LeaseExpired as i32),
-        "{:?}",
-        event_types(&events)
-    );
+    assert!(calls.chained() >= 1);
     // The lost outcome's job is reclaimed when its lease ends, and run again.
     let again = wait_for_state(&mut jobs, &first.id, St::Succeeded, LONG).await;
     assert_eq!(again.attempt, 2);

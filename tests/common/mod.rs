@@ -6,6 +6,8 @@
 //! `#[tokio::test]` per backend, so the same suite runs on SQLite and PostgreSQL.
 #![allow(dead_code)]
 
+pub mod proxy;
+
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::net::SocketAddr;
