@@ -9,7 +9,8 @@
 //!
 //! Every outcome must go with `CompleteAndLease` (checked by the server's
 //! RPC metrics), and a busy worker's next job must come back with it. A
-//! blip of failed heartbeats (injected by a proxy) must not lose the job.
+//! blip of failed heartbeats (injected by a proxy) must not lose the job,
+//! nor an outcome that cannot be reported the job its call brought.
 
 mod common;
 
@@ -26,7 +27,11 @@ use nix::unistd::Pid;
 use serde_json::json;
 use tokio::process::Command;
 
-common::backend_tests!(python_worker_end_to_end, python_heartbeats_ride_out_a_blip);
+common::backend_tests!(
+    python_worker_end_to_end,
+    python_heartbeats_ride_out_a_blip,
+    python_unreported_outcome_holds_the_next_job_back_a_third_of_a_lease,
+);
 
 const TENANT: &str = "acme";
 const LONG: Duration = Duration::from_secs(20);
@@ -268,6 +273,36 @@ async fn python_heartbeats_ride_out_a_blip(backend: Backend) {
         beats >= 3,
         "two failed heartbeats, then one that went through: {beats}"
     );
+    worker.kill().await.expect("stop the Python worker");
+    server.stop().await;
+}
+
+/// As the Rust library's test of the same name: when `CompleteAndLease`
+/// brings the next job but the outcome cannot be reported (a proxy answers
+/// it `UNAVAILABLE`, and every `Complete` of it after), the worker retries
+/// it for a third of its 3 s lease, not the whole lease, so the next job
+/// starts while its lease is young and keeps it (the reaper runs every
+/// 100 ms here: held back a whole lease, it would run a second time).
+async fn python_unreported_outcome_holds_the_next_job_back_a_third_of_a_lease(backend: Backend) {
+    let env = tokio::task::spawn_blocking(python_env)
+        .await
+        .expect("Python setup");
+    let server = TestServer::start_with(backend, |s| {
+        s.reaper_interval = Duration::from_millis(100);
+    })
+    .await;
+    let mut jobs = server.jobs_client(TENANT);
+    let first = submit(&mut jobs, "py", "sleep", json!({"seconds": 1})).await;
+    let next = submit(&mut jobs, "py", "sleep", json!({"seconds": 1})).await;
+    let (addr, calls) = proxy::start(&server, TENANT, Fault::OutcomeUnavailable).await;
+    let mut worker = start_worker(env, &addr);
+    let done = wait_for_state(&mut jobs, &next.id, St::Succeeded, LONG).await;
+    // A lease that ran out would have put it back, to run a second time.
+    assert_eq!(done.attempt, 1, "the next job kept its first lease");
+    assert!(calls.chained() >= 1);
+    // The lost outcome's job is reclaimed when its lease ends, and run again.
+    let again = wait_for_state(&mut jobs, &first.id, St::Succeeded, LONG).await;
+    assert_eq!(again.attempt, 2);
     worker.kill().await.expect("stop the Python worker");
     server.stop().await;
 }

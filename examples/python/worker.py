@@ -208,20 +208,24 @@ class Reporter:
                     return jobs
                 log("chained complete refused; retrying with Complete", job=job.job_id,
                     code=item.error.code, detail=item.error.message)
-                complete(self.stub, job, request)
+                # The next job's lease runs meanwhile, and its first heartbeat
+                # comes a third of a lease after it starts.
+                limit = ARGS.lease_seconds / 3 if jobs else ARGS.lease_seconds
+                complete(self.stub, job, request, limit)
                 return jobs
-        complete(self.stub, job, request)
+        complete(self.stub, job, request, ARGS.lease_seconds)
         return []
 
 
-def complete(stub, job, request):
-    """Sends the outcome with Complete; retries what may pass (for up to a
-    lease, after which the lease is likely gone). An outcome the server
-    refuses as invalid (a result over its size limit) is sent once more as a
-    failure, so that the job does not wait out its lease: a refused result
-    as a final one, a refused failure as retryable as it was."""
+def complete(stub, job, request, limit):
+    """Sends the outcome with Complete; retries what may pass for up to
+    `limit` seconds (at most a lease, after which the lease is likely gone),
+    the last try at the limit. An outcome the server refuses as invalid (a
+    result over its size limit) is sent once more as a failure, so that the
+    job does not wait out its lease: a refused result as a final one, a
+    refused failure as retryable as it was."""
     backoff = 0.1
-    deadline = time.monotonic() + ARGS.lease_seconds
+    deadline = time.monotonic() + limit
     replaced = False
     while True:
         try:
@@ -241,10 +245,11 @@ def complete(stub, job, request):
                 request.failure.retryable = retryable
                 replaced = True
                 continue
-            if e.code() not in TRANSIENT or time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if e.code() not in TRANSIENT or left <= 0:
                 log("complete failed", job=job.job_id, code=e.code().name, detail=e.details())
                 return
-            time.sleep(random.uniform(backoff / 2, backoff))
+            time.sleep(min(left, random.uniform(backoff / 2, backoff)))
             backoff = min(backoff * 2, 5)
 
 
