@@ -120,15 +120,16 @@ fn error_class(job: &pb::Job) -> String {
         .unwrap_or_default()
 }
 
-/// The example worker on queue `py` of `addr`, with a 3 s lease, a 1 s
-/// long poll and a 1 s shutdown grace.
-fn start_worker(env: &PythonEnv, addr: &str) -> tokio::process::Child {
+/// The example worker on queue `py` of `addr`, with a lease of
+/// `lease_seconds`, a 1 s long poll and a 1 s shutdown grace.
+fn start_worker(env: &PythonEnv, addr: &str, lease_seconds: u32) -> tokio::process::Child {
     Command::new(&env.python)
         .arg("-u")
         .arg(manifest_dir().join("examples/python/worker.py"))
         .args(["--addr", addr, "--tenant", TENANT])
         .args(["--queue", "py", "--worker-id", "py-worker"])
-        .args(["--lease-seconds", "3", "--wait-seconds", "1"])
+        .args(["--lease-seconds", &lease_seconds.to_string()])
+        .args(["--wait-seconds", "1"])
         .args(["--grace-seconds", "1"])
         .arg("--stubs")
         .arg(&env.stubs)
@@ -144,7 +145,7 @@ async fn python_worker_end_to_end(backend: Backend) {
         .expect("Python setup");
     let server = TestServer::start(backend).await;
     let mut jobs = server.jobs_client(TENANT);
-    let mut worker = start_worker(env, &server.addr.to_string());
+    let mut worker = start_worker(env, &server.addr.to_string(), 3);
 
     // Success: the payload comes back.
     let echo = submit(&mut jobs, "py", "echo", json!({"doc": "hi"})).await;
@@ -254,8 +255,8 @@ async fn python_worker_end_to_end(backend: Backend) {
 
 /// Heartbeats that fail for a moment (two answered `UNAVAILABLE`, through a
 /// proxy) are retried within the lease, and the job keeps its lease: it
-/// succeeds on its first attempt. A worker that took a failed heartbeat for a lost lease would
-/// drop the job, and it would run again.
+/// succeeds on its first attempt. A worker that took a failed heartbeat
+/// for a lost lease would drop the job, and it would run again.
 async fn python_heartbeats_ride_out_a_blip(backend: Backend) {
     let env = tokio::task::spawn_blocking(python_env)
         .await
@@ -263,7 +264,7 @@ async fn python_heartbeats_ride_out_a_blip(backend: Backend) {
     let server = TestServer::start(backend).await;
     let mut jobs = server.jobs_client(TENANT);
     let (addr, calls) = proxy::start(&server, TENANT, Fault::HeartbeatsUnavailable(2)).await;
-    let mut worker = start_worker(env, &addr);
+    let mut worker = start_worker(env, &addr, 3);
     // Four seconds under a 3 s lease: the lease must be extended.
     let sleep = submit(&mut jobs, "py", "sleep", json!({"seconds": 4})).await;
     let done = wait_for_state(&mut jobs, &sleep.id, St::Succeeded, LONG).await;
@@ -280,7 +281,7 @@ async fn python_heartbeats_ride_out_a_blip(backend: Backend) {
 /// As the Rust library's test of the same name: when `CompleteAndLease`
 /// brings the next job but the outcome cannot be reported (a proxy answers
 /// it `UNAVAILABLE`, and every `Complete` of it after), the worker retries
-/// it for a third of its 3 s lease, not the whole lease, so the next job
+/// it for a third of its 6 s lease, not the whole lease, so the next job
 /// starts while its lease is young and keeps it (the reaper runs every
 /// 100 ms here: held back a whole lease, it would run a second time).
 async fn python_unreported_outcome_holds_the_next_job_back_a_third_of_a_lease(backend: Backend) {
@@ -295,7 +296,7 @@ async fn python_unreported_outcome_holds_the_next_job_back_a_third_of_a_lease(ba
     let first = submit(&mut jobs, "py", "sleep", json!({"seconds": 1})).await;
     let next = submit(&mut jobs, "py", "sleep", json!({"seconds": 1})).await;
     let (addr, calls) = proxy::start(&server, TENANT, Fault::OutcomeUnavailable).await;
-    let mut worker = start_worker(env, &addr);
+    let mut worker = start_worker(env, &addr, 6);
     let done = wait_for_state(&mut jobs, &next.id, St::Succeeded, LONG).await;
     // A lease that ran out would have put it back, to run a second time.
     assert_eq!(done.attempt, 1, "the next job kept its first lease");

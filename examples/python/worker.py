@@ -229,7 +229,9 @@ def complete(stub, job, request, limit):
     replaced = False
     while True:
         try:
-            stub.Complete(request, timeout=10, metadata=metadata())
+            # A hung call must not hold a next job back past the limit.
+            left = deadline - time.monotonic()
+            stub.Complete(request, timeout=min(10, max(0.5, left)), metadata=metadata())
             return
         except grpc.RpcError as e:
             if e.code() in LOST:

@@ -3103,8 +3103,13 @@ mod tests {
             .execute(&mut db)
             .await
             .expect("mend the row");
-        // The second look's connection (the one just used, handed out
-        // first) is cut off: that look fails, and the row stays aside.
+        // Every connection of the store is cut. The hot pool hands out the
+        // one just used first, so the next look fails, and the row stays
+        // aside.
+        let cut_at: DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+            .fetch_one(&mut db)
+            .await
+            .expect("read the clock");
         let cut: Vec<i32> = sqlx::query_scalar(
             "SELECT pid FROM pg_stat_activity
              WHERE datname = current_database() AND pid <> pg_backend_pid()",
@@ -3118,23 +3123,30 @@ mod tests {
             .execute(&mut db)
             .await
             .expect("cut the store's connections");
-        while sqlx::query_scalar::<_, bool>(
-            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = ANY($1))",
-        )
-        .bind(&cut)
-        .fetch_one(&mut db)
-        .await
-        .expect("read pg_stat_activity")
-        {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let gone = async {
+            while sqlx::query_scalar::<_, bool>(
+                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+                                WHERE pid = ANY($1) AND backend_start < $2)",
+            )
+            .bind(&cut)
+            .bind(cut_at)
+            .fetch_one(&mut db)
+            .await
+            .expect("read pg_stat_activity")
+            {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), gone)
+            .await
+            .expect("the cut backends exit");
         store.recheck_unreadable(&keys).await;
         assert_eq!(
             store.unreadable.set_aside(),
             [id.to_string()],
             "a failed look lets nothing in"
         );
-        // Each of the pool's other cut connections fails one look too.
+        // Each of the hot pool's other cut connections fails one look too.
         for _ in 0..cut.len() {
             store.recheck_unreadable(&keys).await;
             if store.unreadable.set_aside().is_empty() {
@@ -3142,8 +3154,8 @@ mod tests {
             }
         }
         assert!(store.unreadable.set_aside().is_empty(), "mended");
-        // And each of the other pool's fails one pass (the reaper's next
-        // tick tries again).
+        // And each cut connection of the sqlx pool fails one pass (the
+        // reaper's next tick tries again).
         let mut reaped = store.reap(10, Duration::from_secs(3600)).await;
         for _ in 0..cut.len() {
             if reaped.is_ok() {

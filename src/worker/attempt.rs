@@ -17,6 +17,9 @@ use crate::pb::complete_request::{Failure, Outcome, Success};
 
 /// A single `Complete` call may take this long.
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// The shortest timeout a retry of an outcome gets near its limit: shorter
+/// than a call to a busy server takes, it could only fail.
+const LAST_CALL_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// What became of the handler.
 enum Ended {
@@ -230,7 +233,9 @@ async fn complete(
                 })
         } else {
             let mut request = tonic::Request::new(item);
-            request.set_timeout(CALL_TIMEOUT);
+            // A hung call must not hold a next job back past the limit.
+            let left = give_up.saturating_duration_since(Instant::now());
+            request.set_timeout(left.clamp(LAST_CALL_TIMEOUT, CALL_TIMEOUT));
             let mut client = shared.client.clone();
             client.complete(request).await.map(|_| None)
         };

@@ -73,12 +73,16 @@ impl Proxy {
         &self,
         request: pb::CompleteAndLeaseRequest,
     ) -> Result<Response<pb::CompleteAndLeaseResponse>, Status> {
+        // A failed expectation answers INTERNAL, which the test then sees
+        // in the worker's log rather than as a reset connection.
         let [item] = request.items.as_slice() else {
-            panic!("one outcome per call: {:?}", request.items);
+            return Err(Status::internal("the proxy expects one outcome per call"));
         };
         *self.refused.lock().unwrap_or_else(PoisonError::into_inner) =
             Some(item.lease_token.clone());
-        let lease = request.lease.expect("a claim");
+        let Some(lease) = request.lease else {
+            return Err(Status::internal("the proxy expects a claim"));
+        };
         let leased = self.upstream.clone().lease(lease).await?.into_inner();
         let refused = pb::ItemError {
             code: Code::Unavailable as i32,
