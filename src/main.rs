@@ -50,6 +50,7 @@ enum Command {
 const BLOCKING_THREADS: usize = 1000 + 512;
 
 fn main() -> ExitCode {
+    wait_for_children();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .max_blocking_threads(BLOCKING_THREADS)
@@ -60,6 +61,22 @@ fn main() -> ExitCode {
             eprintln!("error: cannot start the runtime: {err}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Gives SIGCHLD its default disposition back. A parent may start us with
+/// it ignored, and that is inherited across exec: the kernel then reaps
+/// every child by itself, so `intray work` would lose each command's exit
+/// status (the job failed for the wrong reason) and could signal a process
+/// group whose id had already been reused; `bench --spawn` would lose its
+/// server's.
+fn wait_for_children() {
+    use nix::sys::signal::{SigHandler, Signal, signal};
+    // SAFETY: SIG_DFL installs no handler, so no code runs in a signal
+    // context, and no other thread exists yet to change the disposition
+    // at the same time.
+    if let Err(err) = unsafe { signal(Signal::SIGCHLD, SigHandler::SigDfl) } {
+        eprintln!("warning: cannot reset SIGCHLD to its default: {err}");
     }
 }
 

@@ -23,6 +23,7 @@ common::backend_tests!(
     work_result_over_the_limit_fails_clearly,
     work_with_a_command_it_cannot_find_refuses_to_start,
     work_keeps_a_result_made_on_sigterm_at_shutdown,
+    work_started_with_sigchld_ignored_still_reads_exit_codes,
 );
 
 const TENANT: &str = "acme";
@@ -70,10 +71,30 @@ struct WorkProcess {
 
 impl WorkProcess {
     async fn start(server: &TestServer, extra: &[&str]) -> WorkProcess {
+        Self::spawn(Command::new(env!("CARGO_BIN_EXE_intray")), server, extra)
+    }
+
+    /// As [`Self::start`], with SIGCHLD ignored, as a supervisor might
+    /// leave it: `intray work` inherits that across exec.
+    async fn start_ignoring_sigchld(server: &TestServer, extra: &[&str]) -> WorkProcess {
+        use nix::sys::signal::{SigHandler, signal};
+        let mut command = Command::new(env!("CARGO_BIN_EXE_intray"));
+        // SAFETY: between fork and exec the child only calls sigaction,
+        // which is async-signal-safe; SIG_IGN installs no handler.
+        unsafe {
+            command.pre_exec(|| {
+                signal(Signal::SIGCHLD, SigHandler::SigIgn)
+                    .map(drop)
+                    .map_err(std::io::Error::from)
+            });
+        }
+        Self::spawn(command, server, extra)
+    }
+
+    fn spawn(mut command: Command, server: &TestServer, extra: &[&str]) -> WorkProcess {
         let dir = tempfile::tempdir().expect("temporary directory");
         let script = dir.path().join("job.sh");
         std::fs::write(&script, SCRIPT).expect("write the script");
-        let mut command = Command::new(env!("CARGO_BIN_EXE_intray"));
         command
             .args(["work", "--addr", &server.url(), "--tenant", TENANT])
             .args(["--queue", "shell", "--worker-id", "shell-worker"])
@@ -245,6 +266,32 @@ async fn work_exit_1_fails_with_stderr_tail(backend: Backend) {
         message.ends_with("fatal: the input is bad"),
         "stderr's tail: {message:?}"
     );
+    worker.stop().await;
+    server.stop().await;
+}
+
+/// Started with SIGCHLD ignored (some supervisors do that), `intray work`
+/// still learns each command's exit status: the kernel would otherwise
+/// reap its commands by itself, and every exit would be lost.
+async fn work_started_with_sigchld_ignored_still_reads_exit_codes(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let worker = WorkProcess::start_ignoring_sigchld(&server, &[]).await;
+
+    let ok = submit(&mut jobs, "shell", "text", json!(null)).await;
+    let failed = submit(&mut jobs, "shell", "fail", json!({})).await;
+    let done = wait_for_state(&mut jobs, &ok.id, St::Succeeded, LONG).await;
+    assert_eq!(
+        done.result.as_ref().map(value_to_json),
+        Some(json!("plain words"))
+    );
+    // A lost status fails the attempt as retryable (command_wait_failed).
+    assert_eq!(done.attempt, 1, "the first attempt's exit was read");
+    let done = wait_for_state(&mut jobs, &failed.id, St::Failed, LONG).await;
+    assert_eq!(done.attempt, 1);
+    let (class, message) = error_of(&done);
+    assert_eq!(class, "command_failed");
+    assert!(message.starts_with("exit code 1: "), "{message:?}");
     worker.stop().await;
     server.stop().await;
 }
