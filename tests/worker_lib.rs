@@ -21,6 +21,7 @@ common::backend_tests!(
     a_busy_slot_gets_its_next_job_with_its_outcome,
     a_server_without_complete_and_lease_gets_plain_completes,
     an_unreported_outcome_holds_the_next_job_back_a_third_of_a_lease,
+    heartbeats_ride_out_a_blip,
     error_then_retry,
     cancellation_reaches_handler_within_one_heartbeat,
     lost_lease_fires_token,
@@ -218,6 +219,39 @@ async fn an_unreported_outcome_holds_the_next_job_back_a_third_of_a_lease(backen
     // The lost outcome's job is reclaimed when its lease ends, and run again.
     let again = wait_for_state(&mut jobs, &first.id, St::Succeeded, LONG).await;
     assert_eq!(again.attempt, 2);
+    worker.stop(LONG).await.expect("worker stops cleanly");
+    server.stop().await;
+}
+
+/// Heartbeats that fail for a moment (two answered `UNAVAILABLE` by the
+/// proxy) are retried within the lease, and the job keeps it: a 4 s job
+/// under a 3 s lease, with a reaper every 100 ms, succeeds on its first
+/// attempt.
+async fn heartbeats_ride_out_a_blip(backend: Backend) {
+    let server = TestServer::start_with(backend, |s| {
+        s.reaper_interval = Duration::from_millis(100);
+    })
+    .await;
+    let mut jobs = server.jobs_client(TENANT);
+    let job = submit(&mut jobs, "q", "slow", json!({})).await;
+    let (addr, calls) = proxy::start(&server, TENANT, Fault::HeartbeatsUnavailable(2)).await;
+    let slow = |_: Job, _: JobContext| async {
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        Ok(json!("done"))
+    };
+    let worker = Running::start(
+        builder_at(&format!("http://{addr}"))
+            .queue("q")
+            .lease_duration(Duration::from_secs(3))
+            .handler("slow", slow),
+    );
+    let done = wait_for_state(&mut jobs, &job.id, St::Succeeded, LONG).await;
+    assert_eq!(done.attempt, 1, "the job kept its lease through the blip");
+    let beats = calls.heartbeats();
+    assert!(
+        beats >= 3,
+        "two failed heartbeats, then one that went through: {beats}"
+    );
     worker.stop(LONG).await.expect("worker stops cleanly");
     server.stop().await;
 }
