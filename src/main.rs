@@ -50,7 +50,7 @@ enum Command {
 const BLOCKING_THREADS: usize = 1000 + 512;
 
 fn main() -> ExitCode {
-    wait_for_children();
+    reset_sigchld();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .max_blocking_threads(BLOCKING_THREADS)
@@ -70,7 +70,7 @@ fn main() -> ExitCode {
 /// status (the job failed for the wrong reason) and could signal a process
 /// group whose id had already been reused; `bench --spawn` would lose its
 /// server's.
-fn wait_for_children() {
+fn reset_sigchld() {
     use nix::sys::signal::{SigHandler, Signal, signal};
     // SAFETY: SIG_DFL installs no handler, so no code runs in a signal
     // context, and no other thread exists yet to change the disposition
