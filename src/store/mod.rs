@@ -439,6 +439,27 @@ pub async fn migrate(url: &str) -> StoreResult<()> {
     }
 }
 
+/// One job submitted to tenant `default` and leased for 50 ms, for store
+/// tests that need an expired lease: its id.
+#[cfg(test)]
+pub(crate) async fn a_briefly_leased_job(store: &dyn Store) -> Uuid {
+    use crate::domain::fixtures::{lease_spec, new_job};
+    store
+        .submit("default", vec![new_job()])
+        .await
+        .expect("submit");
+    let short = LeaseSpec {
+        lease_duration: Duration::from_millis(50),
+        ..lease_spec("w", 1)
+    };
+    let leased = store
+        .lease("default", &[short])
+        .await
+        .expect("lease")
+        .concat();
+    leased.first().expect("leased").id
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

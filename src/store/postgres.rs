@@ -3059,20 +3059,7 @@ mod tests {
         let scratch = Scratch::new("intray_set_aside").await;
         let store = scratch.store().await;
         let mut db = PgConnection::connect(&scratch.url).await.expect("connect");
-        store
-            .submit("default", vec![new_job()])
-            .await
-            .expect("submit");
-        let short = LeaseSpec {
-            lease_duration: Duration::from_millis(50),
-            ..lease_spec("w", 1)
-        };
-        let leased = store
-            .lease("default", &[short])
-            .await
-            .expect("lease")
-            .concat();
-        let id = leased.first().expect("leased").id;
+        let id = crate::store::a_briefly_leased_job(&store).await;
         let set_labels = |labels: &'static str| {
             sqlx::query("UPDATE jobs SET labels = $1::jsonb WHERE id = $2")
                 .bind(labels)

@@ -1420,7 +1420,6 @@ impl Store for SqliteStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::domain::fixtures::{lease_spec, new_job};
 
     /// As on PostgreSQL (`a_mended_row_set_aside_by_the_reaper_is_let_back_in`):
     /// an unreadable expired lease is set aside by the reaper, stays aside
@@ -1433,20 +1432,7 @@ mod tests {
         let store = SqliteStore::open(&Settings::new(&url), Arc::new(Notifier::new()))
             .await
             .expect("open");
-        store
-            .submit("default", vec![new_job()])
-            .await
-            .expect("submit");
-        let short = LeaseSpec {
-            lease_duration: Duration::from_millis(50),
-            ..lease_spec("w", 1)
-        };
-        let leased = store
-            .lease("default", &[short])
-            .await
-            .expect("lease")
-            .concat();
-        let id = leased.first().expect("leased").id.to_string();
+        let id = crate::store::a_briefly_leased_job(&store).await.to_string();
         let set_labels = |labels: &'static str| {
             sqlx::query("UPDATE jobs SET labels = ?1 WHERE id = ?2")
                 .bind(labels)
