@@ -27,6 +27,7 @@ common::backend_tests!(
     cancel_grace_revokes_lease,
     heartbeat_renews_by_the_leased_length,
     watch_resume_from_sequence,
+    watch_resumed_across_an_event_not_kept_in_memory,
     watch_live_push,
     concurrent_drain,
     long_poll_wake,
@@ -949,6 +950,66 @@ async fn heartbeat_renews_by_the_leased_length(backend: Backend) {
         "renewed by 300 s, {left} s left"
     );
     server.stop().await;
+}
+
+/// A watcher that resumes while another watcher keeps the job's recent
+/// events in memory gets every event, also one that memory never had: a
+/// heartbeat's PROGRESS sits between two kept events.
+async fn watch_resumed_across_an_event_not_kept_in_memory(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+
+    let job = submit(&mut jobs, "w", "k", json!({})).await;
+    let mut first = open_watch(&mut jobs, &job.id, 0).await;
+    next_event(&mut first, LONG, "the first watcher's SUBMITTED").await;
+
+    let leased = lease_one(&mut workers, "w1", "w").await;
+    workers
+        .heartbeat(pb::HeartbeatRequest {
+            job_id: job.id.clone(),
+            lease_token: leased.lease_token.clone(),
+            progress: Some(0.5),
+            ..Default::default()
+        })
+        .await
+        .expect("Heartbeat");
+    jobs.cancel(pb::CancelJobRequest {
+        id: job.id.clone(),
+        reason: "enough".into(),
+    })
+    .await
+    .expect("Cancel");
+    // Opened while the first watcher still keeps LEASED (2) and
+    // CANCEL_REQUESTED (4) in memory, but not PROGRESS (3).
+    let resumed = open_watch(&mut jobs, &job.id, 1).await;
+    complete_ok(&mut workers, &leased).await;
+
+    let resumed = drain(resumed).await;
+    assert_eq!(
+        sequences(&resumed),
+        vec![2, 3, 4, 5],
+        "every event after 1: {:?}",
+        event_types(&resumed)
+    );
+    assert_eq!(event_types(&resumed)[1], Ev::Progress);
+    assert_eq!(
+        sequences(&drain(first).await),
+        vec![2, 3, 4, 5],
+        "the first watcher too"
+    );
+}
+
+/// The rest of a watch stream, which must end within [`LONG`].
+async fn drain(mut stream: tonic::Streaming<pb::JobEvent>) -> Vec<pb::JobEvent> {
+    within(LONG, "the rest of a watch stream", async {
+        let mut events = Vec::new();
+        while let Some(item) = stream.next().await {
+            events.push(item.expect("event"));
+        }
+        events
+    })
+    .await
 }
 
 async fn watch_resume_from_sequence(backend: Backend) {

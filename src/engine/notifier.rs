@@ -178,16 +178,26 @@ impl JobWatch {
         &self.watched.notify
     }
 
-    /// The kept events right after sequence `after`, when they continue it
-    /// without a gap; empty when there are none or the database must be
-    /// read ([`JobWatch::keeps_after`] tells which).
+    /// The kept events that continue sequence `after` without a gap, up to
+    /// the first one missing; empty when there are none or the database
+    /// must be read ([`JobWatch::keeps_after`] tells which).
+    ///
+    /// Kept events can have gaps between them, not only before them: a
+    /// change whose event is not kept (a heartbeat's progress, another
+    /// replica's commit) still lets the next kept one in behind it.
     pub fn events_after(&self, after: u64) -> Vec<JobEvent> {
         let recent = lock(&self.watched.recent);
-        let next = recent.iter().position(|e| e.sequence > after);
-        match next {
-            Some(i) if recent[i].sequence == after + 1 => recent.range(i..).cloned().collect(),
-            _ => Vec::new(),
-        }
+        let mut next = after + 1;
+        recent
+            .iter()
+            .skip_while(|e| e.sequence <= after)
+            .take_while(|e| {
+                let follows = e.sequence == next;
+                next += 1;
+                follows
+            })
+            .cloned()
+            .collect()
     }
 
     /// Whether an event after `after` is kept, even one behind a gap.
@@ -316,6 +326,21 @@ mod tests {
         }
         assert!(watch.events_after(4).is_empty(), "too far behind: read");
         assert_eq!(watch.events_after(38).len(), 1);
+    }
+
+    #[test]
+    fn kept_events_stop_at_a_gap_between_them() {
+        let notifier = Arc::new(Notifier::new());
+        let id = Uuid::now_v7();
+        let watch = notifier.watch_job(id);
+        notifier.events_committed([&event(id, 2)]);
+        // 3 changed the job without a kept event (a heartbeat's progress).
+        notifier.job_changed(id);
+        notifier.events_committed([&event(id, 4), &event(id, 5)]);
+        let seqs = |events: Vec<JobEvent>| events.iter().map(|e| e.sequence).collect::<Vec<_>>();
+        assert_eq!(seqs(watch.events_after(1)), vec![2], "3 must be read");
+        assert!(watch.events_after(2).is_empty() && watch.keeps_after(2));
+        assert_eq!(seqs(watch.events_after(3)), vec![4, 5]);
     }
 
     #[tokio::test]
