@@ -1533,6 +1533,32 @@ impl PgStore {
         }
     }
 
+    /// The jobs holding idempotency `keys`, by key; a holder row that
+    /// cannot be read answers only its own key.
+    async fn key_holders(
+        &self,
+        tenant: &str,
+        keys: &[&str],
+    ) -> StoreResult<HashMap<String, StoreResult<Job>>> {
+        let rows =
+            sqlx::query("SELECT * FROM jobs WHERE tenant = $1 AND idempotency_key = ANY($2)")
+                .bind(tenant)
+                .bind(keys)
+                .fetch_all(&self.pool)
+                .await?;
+        let mut holders = HashMap::with_capacity(rows.len());
+        for row in &rows {
+            match row.try_get::<Option<String>, _>("idempotency_key") {
+                Ok(Some(key)) => {
+                    holders.insert(key, job_from_row(row));
+                }
+                Ok(None) => {}
+                Err(err) => return Err(err.into()),
+            }
+        }
+        Ok(holders)
+    }
+
     /// `Complete`'s unlocked read: the jobs this replica leased are taken
     /// from what their leases returned, and only the others are read. Says
     /// for each item whether its job came from a lease.
@@ -1759,13 +1785,27 @@ impl Store for PgStore {
         } else {
             query.fetch_all(&self.pool).await?
         };
-        let mut created: HashMap<Uuid, Job> = HashMap::with_capacity(rows.len());
+        // The statement has committed: from here on nothing may fail the
+        // call as a whole. Its callers would be told that jobs which are
+        // stored were not, and a caller retrying without a key would store
+        // its job twice. A row that cannot be read, or a holder read that
+        // fails, fails only the items it answers.
+        let mut created: HashMap<Uuid, StoreResult<Job>> = HashMap::with_capacity(rows.len());
         for row in &rows {
-            let job = job_from_row(row)?;
-            if job.state == JobState::Running {
-                self.keep_leased(row, &job);
+            let id: Uuid = match row.try_get("id") {
+                Ok(id) => id,
+                Err(err) => {
+                    tracing::error!(error = %err, "a submitted row without its id");
+                    continue;
+                }
+            };
+            let job = job_from_row(row);
+            if let Ok(job) = &job
+                && job.state == JobState::Running
+            {
+                self.keep_leased(row, job);
             }
-            created.insert(job.id, job);
+            created.insert(id, job);
         }
         // Keys that were taken: committed before the insert returned (a
         // concurrent insert of the same key is waited for), so readable now.
@@ -1775,50 +1815,46 @@ impl Store for PgStore {
             .filter(|(_, id)| !created.contains_key(id))
             .filter_map(|(new, _)| new.idempotency_key.as_deref())
             .collect();
-        let mut holders: HashMap<String, Job> = HashMap::new();
-        if !taken.is_empty() {
-            let rows =
-                sqlx::query("SELECT * FROM jobs WHERE tenant = $1 AND idempotency_key = ANY($2)")
-                    .bind(tenant)
-                    .bind(&taken)
-                    .fetch_all(&self.pool)
-                    .await?;
-            for row in &rows {
-                let job = job_from_row(row)?;
-                if let Some(key) = job.idempotency_key.clone() {
-                    holders.insert(key, job);
-                }
-            }
-        }
+        let holders = if taken.is_empty() {
+            Ok(HashMap::new())
+        } else {
+            self.key_holders(tenant, &taken).await
+        };
         let mut changes = Changes::default();
         let mut results = Vec::with_capacity(n);
         for (new, id) in jobs.iter().zip(&ids) {
             if let Some(job) = created.remove(id) {
-                changes.submitted(&job);
-                results.push(Ok(Submitted { job, created: true }));
+                results.push(job.map(|job| {
+                    changes.submitted(&job);
+                    Submitted { job, created: true }
+                }));
                 continue;
             }
-            let Some(holder) = new
-                .idempotency_key
-                .as_deref()
-                .and_then(|key| holders.get(key))
-            else {
-                // Its key's holder was deleted (retention) between the
-                // insert and this read. Only this item failed, and the
-                // others have committed: they are answered as usual.
+            let Some(key) = new.idempotency_key.as_deref() else {
                 results.push(Err(StoreError::Internal(
-                    "the job holding this idempotency key was deleted meanwhile; submit again"
-                        .into(),
+                    "the submitted job cannot be read back".into(),
                 )));
                 continue;
             };
-            results.push(if holder.input_hash == new.input_hash {
-                Ok(Submitted {
+            let holder = match &holders {
+                Ok(holders) => holders.get(key),
+                Err(err) => {
+                    results.push(Err(err.clone()));
+                    continue;
+                }
+            };
+            results.push(match holder {
+                // Deleted (retention) between the insert and the read.
+                None => Err(StoreError::Internal(
+                    "the job holding this idempotency key was deleted meanwhile; submit again"
+                        .into(),
+                )),
+                Some(Err(err)) => Err(err.clone()),
+                Some(Ok(holder)) if holder.input_hash == new.input_hash => Ok(Submitted {
                     job: holder.clone(),
                     created: false,
-                })
-            } else {
-                Err(StoreError::IdempotencyConflict)
+                }),
+                Some(Ok(_)) => Err(StoreError::IdempotencyConflict),
             });
         }
         self.committed(changes);
@@ -3242,6 +3278,45 @@ mod tests {
             matches!(&results[1], Err(StoreError::Internal(_))),
             "{results:?}"
         );
+        drop(store);
+        scratch.drop().await;
+    }
+
+    /// An item whose idempotency key's holder cannot be read fails alone:
+    /// the statement that stored its neighbours has committed, and telling
+    /// them otherwise would have them submit again.
+    #[tokio::test]
+    async fn an_unreadable_holder_fails_only_its_item() {
+        let scratch = Scratch::new("intray_holder_unreadable").await;
+        let store = scratch.store().await;
+        let mut keyed = new_job();
+        keyed.idempotency_key = Some("mangled".into());
+        store
+            .submit("default", vec![keyed.clone()])
+            .await
+            .expect("submit the holder");
+        let mut db = PgConnection::connect(&scratch.url).await.expect("connect");
+        sqlx::raw_sql("UPDATE jobs SET labels = '[1]' WHERE idempotency_key = 'mangled'")
+            .execute(&mut db)
+            .await
+            .expect("mangle the holder");
+        let results = store
+            .submit("default", vec![new_job(), keyed])
+            .await
+            .expect("the call is answered");
+        let Ok(Submitted { created: true, job }) = &results[0] else {
+            panic!("the neighbour is answered as stored: {results:?}");
+        };
+        assert!(
+            matches!(&results[1], Err(StoreError::Internal(_))),
+            "{results:?}"
+        );
+        let stored: Vec<Uuid> =
+            sqlx::query_scalar("SELECT id FROM jobs WHERE idempotency_key IS NULL")
+                .fetch_all(&mut db)
+                .await
+                .expect("count");
+        assert_eq!(stored, vec![job.id], "the neighbour, once");
         drop(store);
         scratch.drop().await;
     }
