@@ -266,6 +266,11 @@ async fn run_group<F: Flush>(flush: &F, key: F::Key, group: Vec<Pending<F>>) {
         Err(err) => {
             tracing::debug!(error = %err, calls = spare.len(), "shared transaction failed; running its calls one by one");
             for (call, reply) in spare.into_iter().zip(replies) {
+                // The failed transaction committed nothing: a caller gone
+                // by now is left out, as it is from the first one.
+                if reply.is_closed() {
+                    continue;
+                }
                 answer_alone(flush, key.clone(), vec![call], vec![reply]).await;
             }
         }
@@ -439,6 +444,30 @@ mod tests {
             flushes.contains(&vec![12, 13, 14]),
             "the three shared a flush first: {flushes:?}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_caller_gone_during_the_one_by_one_rerun_is_left_out() {
+        let (recorder, coalescer, blocker) = blocked(sizing(1, 100, 0)).await;
+        let calls = [12u32, 13, 14].map(|i| spawn_call(&coalescer, i));
+        let [first, failing, gone] = calls;
+        // Once the shared flush has failed, 12 and then 13 run alone first.
+        let shared = vec![12, 13, 14];
+        tokio::time::timeout(Duration::from_secs(2), async {
+            while !recorder.flushes.lock().expect("lock").contains(&shared) {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("the shared flush failed");
+        gone.abort();
+        assert_eq!(answer(blocker).await, 10);
+        assert_eq!(answer(first).await, 120);
+        assert!(failing.await.expect("joined").is_err());
+        // With one transaction at a time, this one runs after the rerun.
+        assert_eq!(answer(spawn_call(&coalescer, 15)).await, 150);
+        let flushes = recorder.flushes.lock().expect("lock").clone();
+        assert_eq!(flushes, vec![vec![1], shared, vec![12], vec![13], vec![15]]);
     }
 
     #[tokio::test]
