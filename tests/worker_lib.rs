@@ -22,8 +22,10 @@ common::backend_tests!(
     a_server_without_complete_and_lease_gets_plain_completes,
     an_unreported_outcome_holds_the_next_job_back_a_third_of_a_lease,
     heartbeats_ride_out_a_blip,
+    a_hung_heartbeat_stops_the_handler_within_its_lease,
     error_then_retry,
     cancellation_reaches_handler_within_one_heartbeat,
+    a_handler_deaf_to_a_cancel_is_dropped_after_cancel_timeout,
     lost_lease_fires_token,
     drain_finishes_running_jobs_and_leases_no_more,
     drain_hands_back_jobs_that_overrun_the_grace,
@@ -252,6 +254,99 @@ async fn heartbeats_ride_out_a_blip(backend: Backend) {
         beats >= 3,
         "two failed heartbeats, then one that went through: {beats}"
     );
+    worker.stop(LONG).await.expect("worker stops cleanly");
+    server.stop().await;
+}
+
+/// A heartbeat that is never answered ends when the lease would: the
+/// handler's token fires then, not a whole call timeout (10 s) later, while
+/// the reaper may already have handed the job to another worker.
+async fn a_hung_heartbeat_stops_the_handler_within_its_lease(backend: Backend) {
+    let server = TestServer::start_with(backend, |s| {
+        s.reaper_interval = Duration::from_millis(100);
+    })
+    .await;
+    let mut jobs = server.jobs_client(TENANT);
+    let (addr, calls) = proxy::start(&server, TENANT, Fault::HeartbeatsHang).await;
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (started_tx, mut started) = mpsc::unbounded_channel();
+    let worker = Running::start(
+        builder_at(&format!("http://{addr}"))
+            .queue("q")
+            .lease_duration(Duration::from_secs(3))
+            .handler("wait", move |job: Job, ctx: JobContext| {
+                let _ = started_tx.send(Instant::now());
+                reporting_handler(tx.clone())(job, ctx)
+            }),
+    );
+    submit(&mut jobs, "q", "wait", json!({})).await;
+    let started = within_time(LONG, "the handler's start", started.recv())
+        .await
+        .expect("the handler started");
+    let (reason, fired_at) = within_time(LONG, "the handler's token", rx.recv())
+        .await
+        .expect("the handler reported");
+    assert_eq!(reason, Some(CancelReason::LeaseLost));
+    let took = fired_at.duration_since(started);
+    assert!(
+        took <= Duration::from_millis(3000 + 500),
+        "the token fired {took:?} after the start, past the 3 s lease"
+    );
+    assert!(calls.heartbeats() >= 1, "a heartbeat was sent and hung");
+    worker.stop(LONG).await.expect("worker stops cleanly");
+    server.stop().await;
+}
+
+/// A handler that does not listen to its token is dropped `cancel_timeout`
+/// after a cancel fired it, and the job ends CANCELLED then, not when its
+/// lease (20 s) runs out.
+async fn a_handler_deaf_to_a_cancel_is_dropped_after_cancel_timeout(backend: Backend) {
+    let server = TestServer::start_with(backend, |s| {
+        s.cancel_grace = Duration::from_secs(30);
+    })
+    .await;
+    let mut jobs = server.jobs_client(TENANT);
+    let (dropped_tx, mut dropped) = mpsc::unbounded_channel::<()>();
+    /// Says when the handler's future is dropped.
+    struct Guard(mpsc::UnboundedSender<()>);
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            let _ = self.0.send(());
+        }
+    }
+    let worker = Running::start(
+        builder(&server)
+            .queue("q")
+            .lease_duration(Duration::from_secs(20))
+            .heartbeat_interval(Duration::from_secs(1))
+            .cancel_timeout(Duration::from_millis(300))
+            .handler("deaf", move |_: Job, _: JobContext| {
+                let guard = Guard(dropped_tx.clone());
+                async move {
+                    let _guard = guard;
+                    tokio::time::sleep(Duration::from_secs(600)).await;
+                    Ok(Value::Null)
+                }
+            }),
+    );
+    let job = submit(&mut jobs, "q", "deaf", json!({})).await;
+    wait_for_state(&mut jobs, &job.id, St::Running, LONG).await;
+    jobs.cancel(pb::CancelJobRequest {
+        id: job.id.clone(),
+        reason: "test".into(),
+    })
+    .await
+    .expect("Cancel");
+    // One heartbeat (1 s) brings the cancel, 0.3 s later the handler goes.
+    let done = wait_for_state(&mut jobs, &job.id, St::Cancelled, Duration::from_secs(6)).await;
+    assert_eq!(done.attempt, 1);
+    within_time(
+        Duration::from_secs(1),
+        "the handler dropped",
+        dropped.recv(),
+    )
+    .await
+    .expect("the guard reported");
     worker.stop(LONG).await.expect("worker stops cleanly");
     server.stop().await;
 }

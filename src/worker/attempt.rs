@@ -29,9 +29,22 @@ enum Ended {
     Abandoned,
 }
 
+/// A leased job and when the answer that leased it arrived. Its lease
+/// started a round trip's half earlier; a next job that came back with an
+/// outcome may wait a while after that before it starts, and its lease is
+/// counted from its arrival, not from its start.
+pub(crate) struct Leased {
+    pub job: pb::LeasedJob,
+    pub received: Instant,
+}
+
 /// Runs one leased job to its reported outcome; the slot's next job when
 /// the report brought one back.
-pub(crate) async fn run(shared: &Shared, leased: pb::LeasedJob) -> Option<pb::LeasedJob> {
+pub(crate) async fn run(shared: &Shared, leased: Leased) -> Option<Leased> {
+    let Leased {
+        job: leased,
+        received,
+    } = leased;
     let ctx = JobContext::new(
         leased.job_id.clone(),
         leased.attempt,
@@ -45,7 +58,7 @@ pub(crate) async fn run(shared: &Shared, leased: pb::LeasedJob) -> Option<pb::Le
         ))),
         (Ok(job), Some(handler)) => {
             let task = tokio::spawn(handler(job, ctx.clone()));
-            supervise(shared, &leased, &ctx, task).await
+            supervise(shared, &leased, received, &ctx, task).await
         }
     };
     let outcome = match (ctx.cancel_reason(), ended) {
@@ -86,10 +99,11 @@ pub(crate) async fn run(shared: &Shared, leased: pb::LeasedJob) -> Option<pb::Le
 async fn supervise(
     shared: &Shared,
     leased: &pb::LeasedJob,
+    received: Instant,
     ctx: &JobContext,
     mut task: tokio::task::JoinHandle<Result<serde_json::Value, JobError>>,
 ) -> Ended {
-    let keep_alive = heartbeat::keep_alive(shared, leased, ctx);
+    let keep_alive = heartbeat::keep_alive(shared, leased, received, ctx);
     tokio::pin!(keep_alive);
     let mut heartbeating = true;
     let mut give_up_at: Option<Instant> = None;
@@ -110,6 +124,9 @@ async fn supervise(
                 Err(_) => Ended::Abandoned,
             },
             () = &mut keep_alive, if heartbeating => heartbeating = false,
+            // A cancel request fires the token inside the heartbeats, which
+            // go on: this starts the clock on the handler.
+            () = ctx.cancelled(), if give_up_at.is_none() => {}
             () = shared.hard_stop.cancelled(), if !ctx.is_cancelled() => {
                 ctx.cancel(CancelReason::Shutdown);
             }
@@ -201,7 +218,7 @@ async fn complete(
     leased: &pb::LeasedJob,
     outcome: Outcome,
     cost_cents: i64,
-) -> Option<pb::LeasedJob> {
+) -> Option<Leased> {
     let mut give_up = Instant::now() + shared.config.lease_duration;
     let mut retry = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
     let mut outcome = outcome;
@@ -222,13 +239,14 @@ async fn complete(
             complete_and_lease(shared, item)
                 .await
                 .map(|(refused, job)| {
+                    let received = Instant::now();
                     if job.is_some() {
                         // The next job's lease runs from now, and its first
                         // heartbeat comes a third of a lease after it starts:
                         // retries of this outcome may hold it back a third.
-                        give_up = give_up.min(Instant::now() + shared.config.lease_duration / 3);
+                        give_up = give_up.min(received + shared.config.lease_duration / 3);
                     }
-                    next = job;
+                    next = job.map(|job| Leased { job, received });
                     refused
                 })
         } else {

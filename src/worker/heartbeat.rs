@@ -13,8 +13,12 @@ use crate::pb;
 
 /// Progress reports closer together than this share one heartbeat.
 const MIN_SPACING: Duration = Duration::from_millis(200);
-/// A single heartbeat call may take this long.
+/// A single heartbeat call may take this long, and no longer than the
+/// lease has left.
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// The last retry of a failing heartbeat comes this long (or a tenth of the
+/// lease, if less) before the lease ends.
+const LAST_TRY_BEFORE: Duration = Duration::from_secs(1);
 
 /// Heartbeats every `heartbeat_interval` (and at once when progress is
 /// reported) until the lease is lost, then fires the context's token with
@@ -23,11 +27,21 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// revoked the lease, which ends the loop.
 ///
 /// The lease also counts as lost when no heartbeat has succeeded for a whole
-/// lease: the server may have handed the job to someone else by then.
-pub(crate) async fn keep_alive(shared: &Shared, leased: &pb::LeasedJob, ctx: &JobContext) {
+/// lease, counted from `received` (when the job arrived) or from the last
+/// heartbeat that got through: the server may have handed the job to
+/// someone else by then. No heartbeat call outlasts that, so a hung one
+/// cannot keep the handler running past the lease.
+pub(crate) async fn keep_alive(
+    shared: &Shared,
+    leased: &pb::LeasedJob,
+    received: Instant,
+    ctx: &JobContext,
+) {
     let config = &shared.config;
-    let mut held_until = Instant::now() + config.lease_duration;
-    let mut next = Instant::now() + config.heartbeat_interval;
+    let mut held_until = received + config.lease_duration;
+    // From the job's arrival: a next job that waited for its outcome's
+    // retries has less of its lease left than a fresh one.
+    let mut next = received + config.heartbeat_interval;
     let mut last_sent = Instant::now();
     let mut retry = Backoff::new(Duration::from_millis(200), config.heartbeat_interval);
     loop {
@@ -45,8 +59,14 @@ pub(crate) async fn keep_alive(shared: &Shared, leased: &pb::LeasedJob, ctx: &Jo
             progress: progress.as_ref().map(|(p, _)| *p),
             message: progress.map(|(_, m)| m).unwrap_or_default(),
         });
-        request.set_timeout(CALL_TIMEOUT);
         let sent_at = Instant::now();
+        let left = held_until.saturating_duration_since(sent_at);
+        if left.is_zero() {
+            tracing::warn!(job_id = %leased.job_id, "no heartbeat got through for a whole lease; treating it as lost");
+            ctx.cancel(CancelReason::LeaseLost);
+            return;
+        }
+        request.set_timeout(left.min(CALL_TIMEOUT));
         last_sent = sent_at;
         let mut client = shared.client.clone();
         match client.heartbeat(request).await {
@@ -73,7 +93,9 @@ pub(crate) async fn keep_alive(shared: &Shared, leased: &pb::LeasedJob, ctx: &Jo
                 }
                 let delay = retry.next_delay();
                 tracing::warn!(job_id = %leased.job_id, code = ?status.code(), message = status.message(), retry_in = ?delay, "heartbeat failed");
-                next = (now + delay).min(held_until);
+                // The last try leaves a tenth of the lease for its answer.
+                let last_try = held_until - (config.lease_duration / 10).min(LAST_TRY_BEFORE);
+                next = (now + delay).min(last_try.max(now));
             }
         }
     }

@@ -160,7 +160,9 @@ impl Worker {
                 }
                 Ok(jobs) => {
                     reconnect.reset();
-                    for (leased, permit) in jobs.into_iter().zip(permits.drain(..)) {
+                    let received = Instant::now();
+                    for (job, permit) in jobs.into_iter().zip(permits.drain(..)) {
+                        let leased = attempt::Leased { job, received };
                         attempts.spawn(run_one(shared.clone(), leased, permit));
                     }
                 }
@@ -226,7 +228,7 @@ fn refuses_worker(code: Code) -> bool {
 
 /// Runs a leased job, then each next job its outcome's report brought
 /// back, in the same slot.
-async fn run_one(shared: Arc<Shared>, leased: pb::LeasedJob, permit: OwnedSemaphorePermit) {
+async fn run_one(shared: Arc<Shared>, leased: attempt::Leased, permit: OwnedSemaphorePermit) {
     let mut next = Some(leased);
     while let Some(leased) = next {
         next = attempt::run(&shared, leased).await;

@@ -25,6 +25,9 @@ pub enum Fault {
     /// The first `n` heartbeats are answered `UNAVAILABLE` (a blip), and
     /// the proxy counts every heartbeat.
     HeartbeatsUnavailable(usize),
+    /// Every heartbeat is left unanswered (a stalled server or network),
+    /// until its caller gives up on it.
+    HeartbeatsHang,
 }
 
 /// The proxy's count of calls, by method.
@@ -112,10 +115,10 @@ impl WorkerService for Proxy {
         request: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
         let seen = self.calls.heartbeats.fetch_add(1, Ordering::SeqCst);
-        if let Fault::HeartbeatsUnavailable(n) = self.fault
-            && seen < n
-        {
-            return Err(unavailable());
+        match self.fault {
+            Fault::HeartbeatsUnavailable(n) if seen < n => return Err(unavailable()),
+            Fault::HeartbeatsHang => std::future::pending::<()>().await,
+            _ => {}
         }
         self.upstream.clone().heartbeat(request.into_inner()).await
     }
