@@ -10,7 +10,8 @@
 //! Every outcome must go with `CompleteAndLease` (checked by the server's
 //! RPC metrics), and a busy worker's next job must come back with it. A
 //! blip of failed heartbeats (injected by a proxy) must not lose the job,
-//! nor an outcome that cannot be reported the job its call brought.
+//! nor an outcome that cannot be reported the job its call brought, and a
+//! heartbeat that hangs must not keep a job running past its lease.
 
 mod common;
 
@@ -31,6 +32,8 @@ common::backend_tests!(
     python_worker_end_to_end,
     python_heartbeats_ride_out_a_blip,
     python_unreported_outcome_holds_the_next_job_back_a_third_of_a_lease,
+    python_a_hung_heartbeat_stops_the_job_within_its_lease,
+    python_a_success_after_the_grace_stands,
 );
 
 const TENANT: &str = "acme";
@@ -305,5 +308,69 @@ async fn python_unreported_outcome_holds_the_next_job_back_a_third_of_a_lease(ba
     let again = wait_for_state(&mut jobs, &first.id, St::Succeeded, LONG).await;
     assert_eq!(again.attempt, 2);
     worker.kill().await.expect("stop the Python worker");
+    server.stop().await;
+}
+
+/// A heartbeat that is never answered (through a proxy) gives up when the
+/// 3 s lease would end: the job in hand stops then, and the one-job worker
+/// leases the job's second attempt right after the reaper (every 100 ms)
+/// reclaims it. With a call timeout of 10 s the first attempt ran on to
+/// about 11 s.
+async fn python_a_hung_heartbeat_stops_the_job_within_its_lease(backend: Backend) {
+    let env = tokio::task::spawn_blocking(python_env)
+        .await
+        .expect("Python setup");
+    let server = TestServer::start_with(backend, |s| {
+        s.reaper_interval = Duration::from_millis(100);
+    })
+    .await;
+    let mut jobs = server.jobs_client(TENANT);
+    let (addr, calls) = proxy::start(&server, TENANT, Fault::HeartbeatsHang).await;
+    let mut worker = start_worker(env, &addr, 3);
+    let sleep = submit(&mut jobs, "py", "sleep", json!({"seconds": 60})).await;
+    wait_for_state(&mut jobs, &sleep.id, St::Running, LONG).await;
+    let leased = Instant::now();
+    let again = within(LONG, "the second attempt", async {
+        loop {
+            let job = get(&mut jobs, &sleep.id).await;
+            if job.attempt == 2 && state(&job) == St::Running {
+                return job;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    let took = leased.elapsed();
+    assert!(
+        took <= Duration::from_millis(3000 + 2000),
+        "the first attempt held the worker {took:?}, past its 3 s lease: {again:?}"
+    );
+    assert!(calls.heartbeats() >= 1, "a heartbeat was sent and hung");
+    worker.kill().await.expect("stop the Python worker");
+    server.stop().await;
+}
+
+/// A job that succeeds after the shutdown grace ran out (a blocking call
+/// that does not look at the cancel flag) keeps its success: the work is
+/// done, and reporting it as `worker_shutdown` would run it again.
+async fn python_a_success_after_the_grace_stands(backend: Backend) {
+    let env = tokio::task::spawn_blocking(python_env)
+        .await
+        .expect("Python setup");
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let mut worker = start_worker(env, &server.addr.to_string(), 6);
+    // 3 s of work against the worker's 1 s grace.
+    let busy = submit(&mut jobs, "py", "busy", json!({"seconds": 3})).await;
+    wait_for_state(&mut jobs, &busy.id, St::Running, LONG).await;
+    let pid = worker.id().expect("worker pid");
+    kill(Pid::from_raw(pid as i32), Signal::SIGTERM).expect("signal the worker");
+    let status = within(LONG, "the Python worker to exit", worker.wait())
+        .await
+        .expect("wait for the Python worker");
+    assert!(status.success(), "the Python worker exited with {status}");
+    let done = get(&mut jobs, &busy.id).await;
+    assert_eq!(state(&done), St::Succeeded, "the success stands: {done:?}");
+    assert_eq!(done.attempt, 1);
     server.stop().await;
 }

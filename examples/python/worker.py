@@ -112,18 +112,24 @@ def stop_now():
 class Heartbeat(threading.Thread):
     """Extends the lease every third of it while the job runs. Sets
     `cancelled` when the job is cancelled, and `lost` (and `cancelled`) when
-    the lease is gone or could not be extended for a whole lease."""
+    the lease is gone or could not be extended for a whole lease, counted
+    from `received` (when the job arrived) or the last heartbeat that got
+    through. No call outlasts that: a hung one must not keep the job
+    running past its lease, when it may be running elsewhere."""
 
-    def __init__(self, stub, job):
+    def __init__(self, stub, job, received):
         super().__init__(daemon=True)
-        self.stub, self.job = stub, job
+        self.stub, self.job, self.received = stub, job, received
         self.cancelled, self.lost, self.done = threading.Event(), threading.Event(), threading.Event()
         self.progress = None
 
     def run(self):
         interval = ARGS.lease_seconds / 3
-        held_until = time.monotonic() + ARGS.lease_seconds
-        delay = interval
+        held_until = self.received + ARGS.lease_seconds
+        # The last retry leaves a tenth of the lease (at most 1 s) for its answer.
+        last_try = min(ARGS.lease_seconds / 10, 1)
+        # A next job that waited for its outcome's retries is older than it looks.
+        delay = max(0, self.received + interval - time.monotonic())
         retry = 0.5
         while not self.done.wait(delay):
             req = pb.HeartbeatRequest(job_id=self.job.job_id, lease_token=self.job.lease_token)
@@ -131,16 +137,23 @@ class Heartbeat(threading.Thread):
                 req.progress, req.message = self.progress
             sent = time.monotonic()
             try:
-                resp = self.stub.Heartbeat(req, timeout=10, metadata=metadata())
-            except grpc.RpcError as e:
-                if e.code() in LOST or time.monotonic() >= held_until:
-                    log("lease lost", job=self.job.job_id, code=e.code().name)
+                if held_until <= sent:
+                    raise LeaseRanOut()
+                resp = self.stub.Heartbeat(req, timeout=min(10, held_until - sent),
+                                           metadata=metadata())
+            except (grpc.RpcError, LeaseRanOut) as e:
+                code = e.code() if isinstance(e, grpc.RpcError) else None
+                if code in LOST or time.monotonic() >= held_until:
+                    log("lease lost", job=self.job.job_id, code=code.name if code else "ran_out")
                     self.lost.set()
                     self.cancelled.set()
                     return
-                delay = min(interval, random.uniform(retry / 2, retry))
+                now, final = time.monotonic(), held_until - last_try
+                # After the last try, only the end of the lease is left to wait for.
+                delay = (held_until - now if now >= final
+                         else min(interval, random.uniform(retry / 2, retry), final - now))
                 retry = min(retry * 2, interval)
-                log("heartbeat failed; retrying", code=e.code().name, retry_in=f"{delay:.2f}s")
+                log("heartbeat failed; retrying", code=code.name, retry_in=f"{delay:.2f}s")
                 continue
             held_until = sent + ARGS.lease_seconds
             delay, retry = interval, 0.5
@@ -160,6 +173,10 @@ def handle(job, payload, hb):
         if job.attempt == 1:
             raise JobError("flaky", "first attempt always fails", retryable=True, retry_after=0.1)
         return {"ok_on_attempt": job.attempt}
+    if job.kind == "busy":
+        # A blocking call that cannot be interrupted: it ignores the cancel flag.
+        time.sleep(float(payload.get("seconds", 1)))
+        return {"busy": True}
     if job.kind == "sleep":
         seconds = float(payload.get("seconds", 1))
         end = time.monotonic() + seconds
@@ -170,6 +187,10 @@ def handle(job, payload, hb):
             hb.progress = (1 - (end - time.monotonic()) / seconds, "sleeping")
         return {"slept": seconds}
     raise JobError("unknown_kind", f"no handler for kind {job.kind!r}", retryable=False)
+
+
+class LeaseRanOut(Exception):
+    """No heartbeat got through for a whole lease."""
 
 
 class Reporter:
@@ -200,7 +221,7 @@ class Reporter:
             else:
                 item = resp.results[0]
                 # The jobs are ours whatever became of the outcome.
-                jobs = list(resp.jobs)
+                jobs = arrived(resp.jobs)
                 if not item.HasField("error"):
                     return jobs
                 if item.error.code in LOST_CODES:
@@ -255,10 +276,16 @@ def complete(stub, job, request, limit):
             backoff = min(backoff * 2, 5)
 
 
-def run_job(stub, reporter, job):
+def arrived(jobs):
+    """Leased jobs paired with when they arrived: their leases run from then."""
+    now = time.monotonic()
+    return [(job, now) for job in jobs]
+
+
+def run_job(stub, reporter, job, received):
     """Runs one job and reports it; returns the next jobs the report brought."""
     payload = json.loads(json_format.MessageToJson(job.payload)) if job.HasField("payload") else None
-    hb = Heartbeat(stub, job)
+    hb = Heartbeat(stub, job, received)
     RUNNING["hb"] = hb
     if HARD_STOP.is_set():
         hb.cancelled.set()
@@ -288,9 +315,9 @@ def run_job(stub, reporter, job):
         hb.join()
     if hb.lost.is_set():
         return []  # someone else may own the job now: write nothing
-    if HARD_STOP.is_set():
-        # Stopped by the shutdown, not by its own failure: it runs again
-        # at once elsewhere, whatever the handler reported.
+    if HARD_STOP.is_set() and not request.HasField("success"):
+        # Stopped by the shutdown, not by its own failure: it runs again at
+        # once elsewhere. A success after the grace did the work: it stands.
         request = pb.CompleteRequest(job_id=job.job_id, lease_token=job.lease_token)
         request.failure.error_class = "worker_shutdown"
         request.failure.message = "the worker stopped before the job finished"
@@ -327,8 +354,8 @@ def main():
     backoff = 0.1
     while not stopping.is_set():
         try:
-            jobs = list(stub.Lease(lease_request(ARGS.wait_seconds),
-                                   timeout=ARGS.wait_seconds + 10, metadata=metadata()).jobs)
+            jobs = arrived(stub.Lease(lease_request(ARGS.wait_seconds),
+                                      timeout=ARGS.wait_seconds + 10, metadata=metadata()).jobs)
             backoff = 0.1
         except grpc.RpcError as e:
             if e.code() in FATAL:
@@ -341,7 +368,7 @@ def main():
             backoff = min(backoff * 2, 30)
             continue
         while jobs:
-            jobs.extend(run_job(stub, reporter, jobs.pop(0)))
+            jobs.extend(run_job(stub, reporter, *jobs.pop(0)))
     log("worker stopped")
     channel.close()
     return 0

@@ -93,9 +93,14 @@ pub(crate) async fn keep_alive(
                 }
                 let delay = retry.next_delay();
                 tracing::warn!(job_id = %leased.job_id, code = ?status.code(), message = status.message(), retry_in = ?delay, "heartbeat failed");
-                // The last try leaves a tenth of the lease for its answer.
+                // The last try leaves a tenth of the lease for its answer;
+                // after it, only the lease's end is left to wait for.
                 let last_try = held_until - (config.lease_duration / 10).min(LAST_TRY_BEFORE);
-                next = (now + delay).min(last_try.max(now));
+                next = if now >= last_try {
+                    held_until
+                } else {
+                    (now + delay).min(last_try)
+                };
             }
         }
     }
