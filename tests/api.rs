@@ -23,6 +23,7 @@ common::backend_tests!(
     retries_exhausted_then_replay,
     bulk_retry_by_filter,
     idempotency,
+    a_submit_sent_again_after_its_deadline_gets_the_original,
     cancel_queued_and_running,
     cancel_grace_revokes_lease,
     heartbeat_renews_by_the_leased_length,
@@ -589,6 +590,79 @@ async fn bulk_retry_by_filter(backend: Backend) {
 // ---------------------------------------------------------------------------
 // 4. idempotency
 // ---------------------------------------------------------------------------
+
+/// A producer that lost the answer to a submit with a deadline and sends
+/// it again after the deadline has passed gets the original job (SPEC:
+/// same key, same input), not `INVALID_ARGUMENT` for the deadline; other
+/// input under the key is still `ALREADY_EXISTS`, and a job nobody
+/// submitted before is still refused for its deadline.
+async fn a_submit_sent_again_after_its_deadline_gets_the_original(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client("t");
+    let mut r = submit_req("q", "k", json!({"n": 1}));
+    r.idempotency_key = "soon-late".into();
+    r.deadline = Some(ts(chrono::Utc::now() + chrono::Duration::milliseconds(700)));
+    let first = jobs.submit(r.clone()).await.expect("Submit").into_inner();
+    assert!(first.created);
+    let first = first.job.expect("job");
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+
+    let again = jobs
+        .submit(r.clone())
+        .await
+        .expect("sent again")
+        .into_inner();
+    assert!(!again.created);
+    assert_eq!(again.job.expect("job").id, first.id, "the original job");
+    let batch = jobs
+        .submit_batch(pb::SubmitBatchRequest {
+            jobs: vec![r.clone()],
+        })
+        .await
+        .expect("SubmitBatch")
+        .into_inner();
+    match &batch.results[0].result {
+        Some(pb::submit_batch_result::Result::Ok(again)) => {
+            assert!(!again.created);
+            assert_eq!(
+                again.job.as_ref().map(|j| j.id.clone()),
+                Some(first.id.clone())
+            );
+        }
+        other => panic!("the original in a batch too: {other:?}"),
+    }
+
+    let mut changed = r.clone();
+    changed.payload = Some(json_to_value(json!({"n": 2})));
+    expect_code(
+        jobs.submit(changed).await,
+        Code::AlreadyExists,
+        "other input",
+    );
+    let mut fresh = r.clone();
+    fresh.idempotency_key = "never-seen".into();
+    expect_invalid(
+        jobs.submit(fresh.clone()).await,
+        &["deadline"],
+        "a passed deadline",
+    );
+    fresh.idempotency_key.clear();
+    let batch = jobs
+        .submit_batch(pb::SubmitBatchRequest { jobs: vec![fresh] })
+        .await
+        .expect("SubmitBatch")
+        .into_inner();
+    match &batch.results[0].result {
+        Some(pb::submit_batch_result::Result::Error(e)) => {
+            assert_eq!(e.code, Code::InvalidArgument as i32);
+            assert_eq!(e.field, "jobs[0].deadline");
+        }
+        other => panic!("refused in a batch: {other:?}"),
+    }
+    let stored = list_all(&mut jobs, list_req()).await;
+    assert_eq!(stored.len(), 1, "nothing but the original was stored");
+    server.stop().await;
+}
 
 async fn idempotency(backend: Backend) {
     let server = TestServer::start(backend).await;

@@ -88,35 +88,41 @@ impl JobsApi {
         })))
     }
 
-    /// Lets a job into its queue, under the queue's bound. A job refused for
-    /// a full queue that repeats an accepted one (its idempotency key, the
-    /// same input) gets the original instead, as it would with room left:
-    /// a producer retrying a submit whose answer it lost must not be told
-    /// to come back later for a job it already has.
+    /// Lets a job in: its deadline still ahead, its queue under its bound.
+    /// A job refused for either that repeats an accepted one (its
+    /// idempotency key, the same input) gets the original instead, as it
+    /// would have at first: a producer retrying a submit whose answer it
+    /// lost must not be told that a job it already has is invalid, or to
+    /// come back later for it.
     async fn admit(&self, tenant: &str, new: &NewJob) -> Result<Option<Job>, ApiError> {
-        let full = match self
-            .depths
-            .admit(&*self.ctx.store, tenant, &new.queue)
-            .await
-        {
-            Ok(()) => return Ok(None),
-            Err(full @ ApiError::QueueFull { .. }) => full,
-            Err(other) => return Err(other),
+        let refused = match validate::not_expired(new, self.ctx.store.now()) {
+            Err(expired) => ApiError::from(expired),
+            Ok(()) => match self
+                .depths
+                .admit(&*self.ctx.store, tenant, &new.queue)
+                .await
+            {
+                Ok(()) => return Ok(None),
+                Err(full @ ApiError::QueueFull { .. }) => full,
+                Err(other) => return Err(other),
+            },
         };
         let Some(key) = &new.idempotency_key else {
-            return Err(full);
+            return Err(refused);
         };
         match self.ctx.store.get_by_key(tenant, key).await? {
             Some(original) if original.input_hash == new.input_hash => Ok(Some(original)),
             Some(_) => Err(StoreError::IdempotencyConflict.into()),
-            None => Err(full),
+            None => Err(refused),
         }
     }
 
+    /// Every check but the deadline's against the clock, which [`Self::admit`]
+    /// makes.
     fn validate_submit(&self, request: pb::SubmitRequest) -> Result<NewJob, ValidationError> {
         let input = convert::submit_input(request)?;
         let keys = self.ctx.webhook_keys.current();
-        validate::submit(input, &self.ctx.limits, &keys.allow, self.ctx.store.now())
+        validate::submission(input, &self.ctx.limits, &keys.allow)
     }
 }
 
@@ -200,9 +206,14 @@ impl JobService for JobsApi {
                         created: false,
                     },
                 ))),
-                Err(refused) => answers.push(Some(pb::submit_batch_result::Result::Error(
-                    item_error(refused),
-                ))),
+                Err(mut refused) => {
+                    if let ApiError::Invalid(invalid) = &mut refused {
+                        invalid.field = format!("jobs[{i}].{}", invalid.field);
+                    }
+                    answers.push(Some(pb::submit_batch_result::Result::Error(item_error(
+                        refused,
+                    ))));
+                }
             }
         }
         for new in &mut valid {

@@ -241,12 +241,36 @@ fn callback_url(value: &str, policy: &AddressPolicy) -> Result<Option<String>> {
 
 /// Validates a submission and applies the defaults. `callbacks` says which
 /// non-public addresses a `callback_url` may name; `now` is only used to
-/// refuse a deadline that has already passed.
+/// refuse a deadline that has already passed ([`not_expired`]).
 pub fn submit(
     input: SubmitInput,
     limits: &Limits,
     callbacks: &AddressPolicy,
     now: DateTime<Utc>,
+) -> Result<NewJob> {
+    let job = submission(input, limits, callbacks)?;
+    not_expired(&job, now)?;
+    Ok(job)
+}
+
+/// Refuses a job whose deadline has passed at `now`. Apart from
+/// [`submission`] because it is the one check that depends on when the
+/// request is read: a producer that sends an accepted job again after its
+/// deadline must still get the original back (SPEC: same key, same input).
+pub fn not_expired(job: &NewJob, now: DateTime<Utc>) -> Result<()> {
+    match job.deadline {
+        Some(deadline) if deadline <= now => {
+            Err(ValidationError::new("deadline", "must be in the future"))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Every check of [`submit`] but [`not_expired`], and the defaults.
+pub fn submission(
+    input: SubmitInput,
+    limits: &Limits,
+    callbacks: &AddressPolicy,
 ) -> Result<NewJob> {
     let queue = queue("queue", &input.queue)?;
     let kind = kind("kind", &input.kind)?;
@@ -274,13 +298,10 @@ pub fn submit(
                 .map_err(|e| ValidationError::new(format!("backoff.{}", e.field), e.reason))?
         }
     };
-    if let Some(deadline) = input.deadline {
-        if deadline <= now {
-            return Err(ValidationError::new("deadline", "must be in the future"));
-        }
-        if input.run_at.is_some_and(|run_at| run_at >= deadline) {
-            return Err(ValidationError::new("deadline", "must be after run_at"));
-        }
+    if let Some(deadline) = input.deadline
+        && input.run_at.is_some_and(|run_at| run_at >= deadline)
+    {
+        return Err(ValidationError::new("deadline", "must be after run_at"));
     }
     labels("labels", &input.labels)?;
     let callback_url = callback_url(&input.callback_url, callbacks)?;
