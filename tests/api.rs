@@ -36,6 +36,7 @@ common::backend_tests!(
     stale_lease_token,
     lease_expiry_reclaims,
     unreadable_rows_are_set_aside,
+    an_unreadable_row_fails_only_its_own_batch_item,
     a_reaper_batch_of_unreadable_rows_does_not_stall_it,
     not_found_and_tenant_isolation,
     reflection_and_health,
@@ -1904,6 +1905,88 @@ async fn a_reaper_batch_of_unreadable_rows_does_not_stall_it(backend: Backend) {
         db_integers(backend, url, sql, &[]).await,
         [500],
         "still set aside"
+    );
+    server.stop().await;
+}
+
+/// A batch call that meets a row that no longer parses answers its other
+/// items: `CompleteBatch` applies the other outcome, `SubmitBatch` stores
+/// the other job (once) when an item's idempotency key is held by such a
+/// row. Only the item of that row is `INTERNAL`.
+async fn an_unreadable_row_fails_only_its_own_batch_item(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+    let corrupt = |id: String| {
+        let url = server.settings.database_url.clone();
+        async move {
+            let sql = "UPDATE jobs SET labels = '[1]' WHERE CAST(id AS TEXT) = $1 RETURNING CAST(1 AS BIGINT)";
+            db_integers(server.backend, &url, sql, &[&id]).await;
+        }
+    };
+    let bad = submit(&mut jobs, "q", "k", json!({})).await;
+    let good = submit(&mut jobs, "q", "k", json!({})).await;
+    let leased = workers
+        .lease(lease_req("w", "q", 2, Duration::ZERO))
+        .await
+        .expect("Lease")
+        .into_inner()
+        .jobs;
+    assert_eq!(leased.len(), 2);
+    corrupt(bad.id.clone()).await;
+    let items = leased
+        .iter()
+        .map(|l| success_req(l, json!("done")))
+        .collect::<Vec<_>>();
+    let answered = workers
+        .complete_batch(pb::CompleteBatchRequest { items })
+        .await
+        .expect("CompleteBatch is answered")
+        .into_inner()
+        .results;
+    for (leased, answer) in leased.iter().zip(&answered) {
+        match (&answer.result, leased.job_id == bad.id) {
+            (Some(pb::complete_batch_result::Result::Error(e)), true) => {
+                assert_eq!(e.code, Code::Internal as i32, "{e:?}");
+            }
+            (Some(pb::complete_batch_result::Result::Job(_)), false) => {}
+            (other, _) => panic!("item of {}: {other:?}", leased.job_id),
+        }
+    }
+    assert_eq!(state(&get(&mut jobs, &good.id).await), St::Succeeded);
+
+    let mut keyed = submit_req("q2", "k", json!({}));
+    keyed.idempotency_key = "held".into();
+    let holder = jobs
+        .submit(keyed.clone())
+        .await
+        .expect("Submit")
+        .into_inner();
+    corrupt(holder.job.expect("job").id).await;
+    let answered = jobs
+        .submit_batch(pb::SubmitBatchRequest {
+            jobs: vec![submit_req("q2", "k", json!({"n": 1})), keyed],
+        })
+        .await
+        .expect("SubmitBatch is answered")
+        .into_inner()
+        .results;
+    match (&answered[0].result, &answered[1].result) {
+        (
+            Some(pb::submit_batch_result::Result::Ok(stored)),
+            Some(pb::submit_batch_result::Result::Error(e)),
+        ) => {
+            assert!(stored.created);
+            assert_eq!(e.code, Code::Internal as i32, "{e:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    let sql = "SELECT count(*) FROM jobs WHERE queue = 'q2'";
+    let url = &server.settings.database_url;
+    assert_eq!(
+        db_integers(backend, url, sql, &[]).await,
+        [2],
+        "the holder and the new job, once"
     );
     server.stop().await;
 }

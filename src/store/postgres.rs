@@ -684,6 +684,9 @@ macro_rules! complete_read {
 /// What [`complete_read!`] found of one tenant's jobs.
 struct CompleteRead {
     jobs: HashMap<Uuid, Job>,
+    /// Jobs whose rows were read but cannot be: only their own outcomes
+    /// are refused.
+    unreadable: HashSet<Uuid>,
     /// Each job's row version as read (`xmin`).
     versions: HashMap<Uuid, String>,
     /// The database's time.
@@ -697,6 +700,7 @@ impl CompleteRead {
     fn empty(capacity: usize) -> CompleteRead {
         CompleteRead {
             jobs: HashMap::with_capacity(capacity),
+            unreadable: HashSet::new(),
             versions: HashMap::with_capacity(capacity),
             now: Utc::now(),
             has_breaker: false,
@@ -705,12 +709,15 @@ impl CompleteRead {
 
     /// Runs `statement` ([`complete_read!`], with or without its lock) for
     /// `tenant`'s jobs `ids`, each once and in order, so that concurrent
-    /// locking reads take their locks in one order.
+    /// locking reads take their locks in one order. A row that cannot be
+    /// read is left out (logged and counted in `unreadable`) and refuses
+    /// only its own outcome.
     async fn load(
         conn: &mut PgConnection,
         statement: &'static str,
         ids: &[Uuid],
         tenant: &str,
+        unreadable: &Unreadable,
     ) -> StoreResult<CompleteRead> {
         let mut ids = ids.to_vec();
         ids.sort_unstable();
@@ -721,13 +728,29 @@ impl CompleteRead {
             .fetch_all(conn)
             .await?;
         let mut read = CompleteRead::empty(rows.len());
-        for row in &rows {
+        let (readable, left_out) = unreadable.split_readable(
+            &rows,
+            |row| {
+                let versioned: (Job, String, bool) = (
+                    job_from_row(row)?,
+                    row.try_get("row_version")?,
+                    row.try_get("has_breaker")?,
+                );
+                Ok(versioned)
+            },
+            row_key,
+            "complete",
+        );
+        for (row, (job, version, has_breaker)) in readable {
             read.now = row.try_get("db_now")?;
-            let job = job_from_row(row)?;
-            read.has_breaker |= row.try_get::<bool, _>("has_breaker")?;
-            read.versions.insert(job.id, row.try_get("row_version")?);
+            read.has_breaker |= has_breaker;
+            read.versions.insert(job.id, version);
             read.jobs.insert(job.id, job);
         }
+        read.unreadable = left_out
+            .iter()
+            .filter_map(|key| Uuid::parse_str(&key.id).ok())
+            .collect();
         Ok(read)
     }
 }
@@ -1327,8 +1350,14 @@ impl PgStore {
         let mut tx = conn.begin().await?;
         // Locked in id order, so concurrent batches cannot deadlock.
         let ids: Vec<Uuid> = items.iter().map(|item| item.job_id).collect();
-        let mut read =
-            CompleteRead::load(&mut tx, complete_read!("FOR UPDATE"), &ids, tenant).await?;
+        let mut read = CompleteRead::load(
+            &mut tx,
+            complete_read!("FOR UPDATE"),
+            &ids,
+            tenant,
+            &self.unreadable,
+        )
+        .await?;
         let failures = items
             .iter()
             .any(|item| breaker::failure_of(&item.outcome).is_some());
@@ -1487,6 +1516,10 @@ impl PgStore {
             let Some(mut job) = read.jobs.remove(&item.job_id) else {
                 results.push(Err(if ended_ids.contains(&item.job_id) {
                     StoreError::LeaseLost
+                } else if read.unreadable.contains(&item.job_id) {
+                    StoreError::Internal(
+                        "the job's row cannot be read; an operator must mend or delete it".into(),
+                    )
                 } else {
                     StoreError::NotFound
                 }));
@@ -1582,7 +1615,7 @@ impl PgStore {
         let mut read = if missing.is_empty() {
             CompleteRead::empty(kept.len())
         } else {
-            CompleteRead::load(conn, complete_read!(""), &missing, tenant).await?
+            CompleteRead::load(conn, complete_read!(""), &missing, tenant, &self.unreadable).await?
         };
         // The database's own time, when a row brought it, beats an estimate.
         if read.jobs.is_empty()
@@ -3318,6 +3351,54 @@ mod tests {
                 .expect("count");
         assert_eq!(stored, vec![job.id], "the neighbour, once");
         drop(store);
+        scratch.drop().await;
+    }
+
+    /// A batch of outcomes whose read meets a row that cannot be read
+    /// refuses only that row's outcome, through the unlocked read (another
+    /// replica, which did not lease the jobs) and the locked one alike.
+    #[tokio::test]
+    async fn an_unreadable_row_refuses_only_its_own_outcome() {
+        let scratch = Scratch::new("intray_complete_unreadable").await;
+        let store = scratch.store().await;
+        let replica = scratch.store().await;
+        let mut db = PgConnection::connect(&scratch.url).await.expect("connect");
+        let success = || Outcome::Success {
+            result: serde_json::json!(1),
+        };
+        for locked in [false, true] {
+            store
+                .submit("default", vec![new_job(), new_job()])
+                .await
+                .expect("submit");
+            let leased = store
+                .lease("default", &[lease_spec("w", 2)])
+                .await
+                .expect("lease")
+                .remove(0);
+            sqlx::query("UPDATE jobs SET labels = '[1]' WHERE id = $1")
+                .bind(leased[0].id)
+                .execute(&mut db)
+                .await
+                .expect("mangle the first");
+            let outcomes = vec![
+                outcome_for(&leased[0], success()),
+                outcome_for(&leased[1], success()),
+            ];
+            let results = if locked {
+                replica.complete_locked("default", outcomes).await
+            } else {
+                replica.complete("default", outcomes).await
+            }
+            .expect("the batch is answered");
+            assert!(
+                matches!(&results[0], Err(StoreError::Internal(_))),
+                "locked {locked}: {results:?}"
+            );
+            assert!(results[1].is_ok(), "locked {locked}: {results:?}");
+        }
+        assert_eq!(replica.unreadable.left_out(), 2, "each met, counted");
+        drop((store, replica));
         scratch.drop().await;
     }
 

@@ -7,7 +7,7 @@
 //! durable before the caller hears about it. Timestamps are Unix milliseconds
 //! of this process's clock, which is the only clock that writes this file.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -509,7 +509,18 @@ impl SqliteStore {
                     .fetch_optional(&mut *conn)
                     .await?;
             if let Some(row) = existing {
-                let job = job_from_row(&row)?;
+                // A holder that cannot be read fails only this item; its
+                // neighbours in the batch still commit.
+                let holder = [row];
+                let Some((_, job)) = self
+                    .unreadable
+                    .readable(&holder, job_from_row, row_key, "submit")
+                    .pop()
+                else {
+                    return Ok(Err(StoreError::Internal(
+                        "the job holding this idempotency key cannot be read; an operator must mend or delete it".into(),
+                    )));
+                };
                 if job.input_hash != new.input_hash {
                     return Ok(Err(StoreError::IdempotencyConflict));
                 }
@@ -1208,11 +1219,18 @@ impl Store for SqliteStore {
         .await?;
         let mut has_breaker = false;
         let mut jobs: HashMap<Uuid, Job> = HashMap::with_capacity(rows.len());
-        for row in &rows {
+        // A row that cannot be read refuses only its own outcome.
+        let (readable, left_out) =
+            self.unreadable
+                .split_readable(&rows, job_from_row, row_key, "complete");
+        for (row, job) in readable {
             has_breaker |= row.try_get::<bool, _>("has_breaker")?;
-            let job = job_from_row(row)?;
             jobs.insert(job.id, job);
         }
+        let unreadable: HashSet<Uuid> = left_out
+            .iter()
+            .filter_map(|key| Uuid::parse_str(&key.id).ok())
+            .collect();
         // Without a breaker on any of the jobs and without a failure in
         // the batch, no outcome can change a breaker (as on PostgreSQL).
         let breakers = self.breaker.threshold > 0
@@ -1224,7 +1242,13 @@ impl Store for SqliteStore {
         let mut results = Vec::with_capacity(items.len());
         for item in items {
             let Some(job) = jobs.get_mut(&item.job_id) else {
-                results.push(Err(StoreError::NotFound));
+                results.push(Err(if unreadable.contains(&item.job_id) {
+                    StoreError::Internal(
+                        "the job's row cannot be read; an operator must mend or delete it".into(),
+                    )
+                } else {
+                    StoreError::NotFound
+                }));
                 continue;
             };
             let jitter = rand::random::<f64>();

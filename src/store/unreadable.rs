@@ -78,7 +78,7 @@ impl Unreadable {
     }
 
     /// [`Self::readable`], and the keys of the rows left out.
-    fn split_readable<'r, R, T>(
+    pub fn split_readable<'r, R, T>(
         &self,
         rows: &'r [R],
         read: impl Fn(&R) -> StoreResult<T>,
