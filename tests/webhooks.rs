@@ -62,6 +62,7 @@ common::backend_tests!(
     callbacks_survive_a_server_killed_before_delivery,
     the_webhooks_file_is_reloaded_while_serving,
     a_lapsed_claims_record_leaves_the_later_claims,
+    a_receiver_that_never_answers_holds_up_only_its_own_callbacks,
 );
 
 const TENANT: &str = "acme";
@@ -1027,4 +1028,101 @@ async fn a_lapsed_claims_record_leaves_the_later_claims(backend: Backend) {
     drop(outbox);
     drop(store);
     server.stop().await;
+}
+
+/// A receiver that accepts connections and never answers holds only its
+/// own deliveries' slots for their timeout (3 s here): another receiver's
+/// callback, due meanwhile, arrives at once. When the dispatcher waited
+/// for a whole claimed batch before claiming again, it waited out the
+/// silent receiver's timeout first.
+async fn a_receiver_that_never_answers_holds_up_only_its_own_callbacks(backend: Backend) {
+    let server = TestServer::start_with(backend, |s| {
+        webhook_settings(s);
+        s.webhooks.timeout = Duration::from_secs(3);
+    })
+    .await;
+    let mut jobs = server.jobs_client(TENANT);
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind the silent receiver");
+    let silent_url = format!("http://{}/", silent.local_addr().expect("its address"));
+    let (held_tx, mut held) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((conn, _)) = silent.accept().await {
+            open.push(conn);
+            let _ = held_tx.send(());
+        }
+    });
+    // Cancelled while queued: terminal at once, a callback each.
+    for _ in 0..5 {
+        let mut r = submit_req("silent", "k", json!({}));
+        r.callback_url = silent_url.clone();
+        let job = submit_with(&mut jobs, r).await;
+        jobs.cancel(pb::CancelJobRequest {
+            id: job.id,
+            reason: String::new(),
+        })
+        .await
+        .expect("Cancel");
+    }
+    within(LONG, "the silent receiver's first connection", held.recv())
+        .await
+        .expect("a delivery to the silent receiver started");
+
+    let answering = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind the answering receiver");
+    let answering_url = format!("http://{}/", answering.local_addr().expect("its address"));
+    let (arrived_tx, mut arrived) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok((conn, _)) = answering.accept().await {
+            let arrived_tx = arrived_tx.clone();
+            tokio::spawn(async move {
+                answer_one_request(conn).await;
+                let _ = arrived_tx.send(Instant::now());
+            });
+        }
+    });
+    let finished = Instant::now();
+    finish_with_callback(&server, answering_url).await;
+    let at = within(LONG, "the other receiver's callback", arrived.recv())
+        .await
+        .expect("the callback arrived");
+    let took = at.duration_since(finished);
+    assert!(
+        took < Duration::from_secs(2),
+        "the callback waited {took:?}, behind the silent receiver's 3 s timeout"
+    );
+    server.stop().await;
+}
+
+/// Reads one HTTP/1.1 request (headers, then `content-length` bytes of
+/// body) and answers it `204`.
+async fn answer_one_request(mut conn: tokio::net::TcpStream) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut request = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let n = conn.read(&mut chunk).await.expect("read the request");
+        assert!(n > 0, "the request ended early");
+        request.extend_from_slice(&chunk[..n]);
+        let text = String::from_utf8_lossy(&request);
+        if let Some(end) = text.find("\r\n\r\n") {
+            let length = text[..end]
+                .lines()
+                .find_map(|line| {
+                    let (name, value) = line.split_once(':')?;
+                    name.eq_ignore_ascii_case("content-length")
+                        .then(|| value.trim().parse::<usize>().ok())?
+                })
+                .unwrap_or(0);
+            if request.len() >= end + 4 + length {
+                break;
+            }
+        }
+    }
+    conn.write_all(b"HTTP/1.1 204 No Content\r\ncontent-length: 0\r\n\r\n")
+        .await
+        .expect("answer");
 }

@@ -22,6 +22,7 @@ use hyper::http::header;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
+use tokio::task::JoinSet;
 use tokio_rustls::TlsConnector;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
@@ -36,8 +37,8 @@ use crate::store::outbox::{Attempted, Claimed, Delivery, Outbox};
 use crate::store::{Store, StoreError};
 use crate::telemetry::Metrics;
 
-/// Deliveries claimed (and sent concurrently) at a time.
-const BATCH: u32 = 32;
+/// Deliveries in flight at a time, per replica.
+const IN_FLIGHT: usize = 32;
 /// How often terminal jobs without a delivery row are looked for.
 const SWEEP_EVERY: Duration = Duration::from_secs(60);
 /// CA bundle of `https` callbacks when neither the settings nor
@@ -130,18 +131,26 @@ impl Dispatcher {
         }
     }
 
-    /// Delivers until `stop` fires: a pass every `poll`, followed at once by
-    /// another when it filled its batch; a reconciliation sweep every minute.
+    /// Delivers until `stop` fires, then waits for the attempts in flight
+    /// (each at most `timeout`). Up to [`IN_FLIGHT`] attempts run at once,
+    /// each on its own: a slot freed is filled at once while more rows are
+    /// due, else at the next `poll`. One receiver that never answers holds
+    /// only its own slots for its timeout, not everyone's callbacks behind
+    /// a batch. A reconciliation sweep runs every minute.
     pub async fn run(self: Arc<Self>, stop: CancellationToken) {
         let mut ticker = tokio::time::interval(self.timings.poll);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut swept_at: Option<tokio::time::Instant> = None;
         // A claimed row comes back after this if this replica dies mid-send.
         let hold = self.timings.timeout + Duration::from_secs(30);
+        let mut in_flight = JoinSet::new();
+        // Whether the last claim filled the free slots: more may be due.
+        let mut more_due = false;
         loop {
             tokio::select! {
-                () = stop.cancelled() => return,
-                _ = ticker.tick() => {}
+                () = stop.cancelled() => break,
+                _ = ticker.tick() => more_due = true,
+                Some(_) = in_flight.join_next(), if !in_flight.is_empty() => {}
             }
             if swept_at.is_none_or(|t| t.elapsed() >= SWEEP_EVERY) {
                 swept_at = Some(tokio::time::Instant::now());
@@ -151,21 +160,26 @@ impl Dispatcher {
                     Err(err) => tracing::warn!(error = %err, "webhook sweep failed"),
                 }
             }
-            loop {
-                let due = match self.outbox.claim_due(BATCH, hold).await {
-                    Ok(due) => due,
-                    Err(err) => {
-                        tracing::warn!(error = %err, "claiming webhook deliveries failed; retrying next interval");
-                        break;
+            let free = IN_FLIGHT.saturating_sub(in_flight.len());
+            if !more_due || free == 0 {
+                continue;
+            }
+            let claimed = u32::try_from(free).unwrap_or(u32::MAX);
+            match self.outbox.claim_due(claimed, hold).await {
+                Ok(due) => {
+                    more_due = due.len() == free;
+                    for delivery in due {
+                        let this = Arc::clone(&self);
+                        in_flight.spawn(async move { this.deliver(delivery).await });
                     }
-                };
-                let full = due.len() == BATCH as usize;
-                futures::future::join_all(due.into_iter().map(|d| self.deliver(d))).await;
-                if !full || stop.is_cancelled() {
-                    break;
+                }
+                Err(err) => {
+                    more_due = false;
+                    tracing::warn!(error = %err, "claiming webhook deliveries failed; retrying next interval");
                 }
             }
         }
+        while in_flight.join_next().await.is_some() {}
     }
 
     /// One attempt of one delivery, recorded.
