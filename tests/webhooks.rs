@@ -63,6 +63,7 @@ common::backend_tests!(
     the_webhooks_file_is_reloaded_while_serving,
     a_lapsed_claims_record_leaves_the_later_claims,
     a_receiver_that_never_answers_holds_up_only_its_own_callbacks,
+    retention_keeps_a_job_until_its_callback_is_delivered,
 );
 
 const TENANT: &str = "acme";
@@ -1125,4 +1126,46 @@ async fn answer_one_request(mut conn: tokio::net::TcpStream) {
     conn.write_all(b"HTTP/1.1 204 No Content\r\ncontent-length: 0\r\n\r\n")
         .await
         .expect("answer");
+}
+
+/// Retention (1 s here) does not delete a finished job whose callback is
+/// still pending: the delivery row would go with it, unrecorded. The job
+/// stays while its receiver is down, the callback arrives once it is up,
+/// and then retention takes the job.
+async fn retention_keeps_a_job_until_its_callback_is_delivered(backend: Backend) {
+    let server = TestServer::start_with(backend, |s| {
+        webhook_settings(s);
+        s.retention = Duration::from_secs(1);
+    })
+    .await;
+    let port = free_port();
+    let job = finish_with_callback(&server, format!("http://127.0.0.1:{port}/")).await;
+    let mut jobs = server.jobs_client(TENANT);
+    // Many reaper passes (every 200 ms) past the retention, the receiver down.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    get(&mut jobs, &job.id).await;
+
+    let receiver = tokio::net::TcpListener::bind(("127.0.0.1", port))
+        .await
+        .expect("bind the receiver on its port");
+    let (conn, _) = within(LONG, "the callback", receiver.accept())
+        .await
+        .expect("accept");
+    answer_one_request(conn).await;
+    let started = Instant::now();
+    loop {
+        let gone = jobs
+            .get(pb::GetJobRequest { id: job.id.clone() })
+            .await
+            .is_err_and(|s| s.code() == tonic::Code::NotFound);
+        if gone {
+            break;
+        }
+        assert!(
+            started.elapsed() < LONG,
+            "retention takes the job once delivered"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    server.stop().await;
 }

@@ -2378,13 +2378,17 @@ impl Store for PgStore {
         // reaper's row locks longer, nor block claims (it only touches
         // finished rows, which no claim reads). Events have no foreign key
         // (migration 0007): they go in the same statement as their jobs.
-        // The locked rows go by tuple id: no key to plan around.
+        // The locked rows go by tuple id: no key to plan around. A job whose
+        // callback is still pending stays until it is delivered or given
+        // up: its delivery row would go with it, unrecorded.
         let deleted = sqlx::query_scalar::<_, i64>(
             "WITH gone AS (
                 DELETE FROM jobs WHERE ctid = ANY(ARRAY(
                     SELECT ctid FROM jobs
                     WHERE state IN ('succeeded', 'failed', 'cancelled', 'expired')
                       AND finished_at < now() - $1 * interval '1 millisecond'
+                      AND NOT EXISTS (SELECT 1 FROM webhook_deliveries d
+                                      WHERE d.job_id = jobs.id AND d.status = 'pending')
                     ORDER BY finished_at LIMIT $2 FOR UPDATE SKIP LOCKED
                 )) RETURNING id
              ), events AS (

@@ -378,13 +378,17 @@ impl SqliteStore {
     /// `cutoff` (milliseconds), and up to `batch` workers unseen since then
     /// that hold no job (workers are named per process, so every restart
     /// adds one), in a short transaction of its own, so that the single
-    /// writer is not held long. Returns the jobs deleted.
+    /// writer is not held long. Returns the jobs deleted. A job whose
+    /// callback is still pending stays until it is delivered or given up:
+    /// its delivery row would go with it, unrecorded.
     async fn delete_past_retention(&self, cutoff: i64, batch: u32) -> StoreResult<u64> {
         let mut tx = self.begin().await?;
         let deleted = sqlx::query(
             "DELETE FROM jobs WHERE id IN (
                 SELECT id FROM jobs
                 WHERE state IN ('succeeded', 'failed', 'cancelled', 'expired') AND finished_at < ?1
+                  AND NOT EXISTS (SELECT 1 FROM webhook_deliveries d
+                                  WHERE d.job_id = jobs.id AND d.status = 'pending')
                 ORDER BY finished_at LIMIT ?2
              )",
         )
