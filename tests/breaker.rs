@@ -8,7 +8,11 @@ use common::*;
 use intray::pb;
 use serde_json::json;
 
-common::backend_tests!(breaker_opens_probes_and_closes, breaker_honours_retry_after);
+common::backend_tests!(
+    breaker_opens_probes_and_closes,
+    breaker_honours_retry_after,
+    breakers_turned_off_clear_those_left_open,
+);
 
 mod postgres_only {
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -254,5 +258,35 @@ async fn a_half_open_breaker_sends_one_probe_across_replicas() {
         );
     }
     replica.stop().await;
+    server.stop().await;
+}
+
+/// A replica started with breakers off (`--breaker-threshold 0`) clears the
+/// breakers an earlier run left: the kind is leased in full at once. Left
+/// in place, the open breaker kept the kind from leasing until its cooldown
+/// ended, and then half-open for good (one job at a time), since with
+/// breakers off no probe's outcome closes it.
+async fn breakers_turned_off_clear_those_left_open(backend: Backend) {
+    let server = TestServer::start_with(backend, with_breaker(1, Duration::from_secs(3600))).await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+    submit(&mut jobs, "llm", "chat", json!({})).await;
+    let leased = lease_kind(&mut workers, "chat", 1).await;
+    fail(&mut workers, &leased[0], None).await;
+    assert_eq!(
+        state_of(&breaker_of(&mut jobs, "chat").await),
+        Some(pb::BreakerState::Open)
+    );
+
+    let off = server.start_replica_with(|s| s.breaker.threshold = 0).await;
+    let mut jobs = off.jobs_client("t");
+    let mut workers = off.workers_client("t");
+    assert_eq!(breaker_of(&mut jobs, "chat").await, None, "cleared");
+    for _ in 0..4 {
+        submit(&mut jobs, "llm", "chat", json!({})).await;
+    }
+    let leased = lease_kind(&mut workers, "chat", 10).await;
+    assert_eq!(leased.len(), 5, "the failed job and four new ones, at once");
+    off.stop().await;
     server.stop().await;
 }

@@ -439,6 +439,19 @@ pub async fn migrate(url: &str) -> StoreResult<()> {
     }
 }
 
+/// Logs the circuit breakers a store cleared at start because breakers are
+/// off (`--breaker-threshold 0`). Only a probe's outcome closes a breaker,
+/// and with breakers off none is counted: one left from a run with them on
+/// would keep its kind half-open, one job at a time, for good.
+fn breakers_cleared(n: u64) {
+    if n > 0 {
+        tracing::info!(
+            breakers = n,
+            "circuit breakers are off (threshold 0): cleared those left by an earlier run"
+        );
+    }
+}
+
 /// One job submitted to tenant `default` and leased for 50 ms, for store
 /// tests that need an expired lease: its id.
 #[cfg(test)]

@@ -1260,6 +1260,10 @@ impl PgStore {
             PLANNER_SETTINGS,
         )?);
         MIGRATOR.run(&pool).await?;
+        if settings.breaker.threshold == 0 {
+            let cleared = sqlx::query("DELETE FROM breakers").execute(&pool).await?;
+            super::breakers_cleared(cleared.rows_affected());
+        }
         let listener_stop = CancellationToken::new();
         let mut listener = PgListener::connect_with(&pool).await?;
         listener.listen(CHANNEL).await?;

@@ -326,6 +326,10 @@ impl SqliteStore {
             .connect_with(options.clone())
             .await?;
         MIGRATOR.run(&writer).await?;
+        if settings.breaker.threshold == 0 {
+            let cleared = sqlx::query("DELETE FROM breakers").execute(&writer).await?;
+            super::breakers_cleared(cleared.rows_affected());
+        }
         let reader = SqlitePoolOptions::new()
             .max_connections(4)
             .connect_with(options.read_only(true))
