@@ -159,6 +159,7 @@ async fn serve(args: ServeArgs) -> ExitCode {
         database = %redact(&settings.database_url),
         otlp = tracing_pipeline.tracer().is_some(), "intray serving"
     );
+    keep_serving_on_sighup();
     let served = intray::server::run_with(settings, listener, Some(http), shutdown_signal()).await;
     // Spans of attempts that ended during the drain are exported now.
     tracing_pipeline.shutdown().await;
@@ -190,6 +191,26 @@ fn redact(url: &str) -> String {
             }
         }
         _ => url.to_owned(),
+    }
+}
+
+/// Keeps SIGHUP from ending the server. Its default action terminates the
+/// process, and what reloads on it (the tokens, webhooks and TLS files)
+/// listens only when such a file is configured: without one, a process
+/// manager's "reload" would have stopped the server with no drain.
+fn keep_serving_on_sighup() {
+    #[cfg(unix)]
+    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        Ok(mut hangup) => {
+            tokio::spawn(async move {
+                while hangup.recv().await.is_some() {
+                    tracing::debug!("SIGHUP: reloading what is reloadable");
+                }
+            });
+        }
+        Err(err) => {
+            tracing::warn!(error = %err, "cannot listen for SIGHUP; it would stop the server")
+        }
     }
 }
 

@@ -29,7 +29,12 @@ use nix::sys::signal::Signal;
 use serde_json::json;
 use tonic::Code;
 
-common::backend_tests!(worker_kills, frozen_worker, cancel_race);
+common::backend_tests!(
+    worker_kills,
+    frozen_worker,
+    cancel_race,
+    sighup_with_nothing_to_reload_keeps_serving,
+);
 
 mod postgres_only {
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -707,5 +712,27 @@ async fn ports_open_after_migrations() {
         .await
         .expect("release the migrations table");
     server.wait_answering().await;
+    server.stop().await;
+}
+
+/// SIGHUP to a server with no reloadable file (no tokens, webhooks or TLS
+/// files: open mode) is not a stop: its default action ended the process
+/// at once, without a drain, when nothing listened for it.
+async fn sighup_with_nothing_to_reload_keeps_serving(backend: Backend) {
+    let db = Db::create(backend).await;
+    let mut server = Server::start(&db, "hup", &[], &[]).await;
+    for _ in 0..2 {
+        server.proc.signal(Signal::SIGHUP);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            !server.proc.exited(),
+            "SIGHUP stopped the server; log tail:\n{}",
+            server.proc.log_text()
+        );
+    }
+    let mut jobs = server.jobs().await;
+    jobs.submit(job_req("hup", "k-hup", json!({}), 1))
+        .await
+        .expect("still serving after SIGHUP");
     server.stop().await;
 }
