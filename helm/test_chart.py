@@ -69,8 +69,10 @@ def check_ports_and_grace(docs, vals, what):
           and env["INTRAY_HTTP_ADDR"] == f"0.0.0.0:{want['http']}",
           f"{what}: the server listens on the container ports")
     grace = seconds(env.get("INTRAY_SHUTDOWN_GRACE") or "20s")
-    check(seconds(env["INTRAY_RPC_TIMEOUT"]) <= grace < pod["terminationGracePeriodSeconds"],
-          f"{what}: in-flight calls get the RPC timeout, and SIGKILL comes after the shutdown grace")
+    delay = seconds(env.get("INTRAY_SHUTDOWN_DELAY") or "0s")
+    check(seconds(env["INTRAY_RPC_TIMEOUT"]) <= grace
+          and delay + grace < pod["terminationGracePeriodSeconds"],
+          f"{what}: in-flight calls get the RPC timeout, and SIGKILL comes after the delay and the grace")
     [svc] = kind(docs, "Service")
     targets = {p["name"]: p["targetPort"] for p in svc["spec"]["ports"]}
     check(targets == {"grpc": "grpc", "http": "http"}, f"{what}: the service exposes grpc and http")

@@ -150,6 +150,10 @@ pub struct ServeArgs {
     #[arg(long, env = "INTRAY_SHUTDOWN_GRACE", default_value = "20s", value_parser = duration)]
     pub shutdown_grace: Duration,
 
+    /// On SIGTERM/SIGINT, how long to go on serving with health NOT_SERVING before taking no more calls (for a load balancer to stop sending any).
+    #[arg(long, env = "INTRAY_SHUTDOWN_DELAY", default_value = "0s", value_parser = duration)]
+    pub shutdown_delay: Duration,
+
     /// Consecutive transient failures of a queue's kind that open its circuit breaker; 0 disables breakers.
     #[arg(long, env = "INTRAY_BREAKER_THRESHOLD", default_value_t = 5)]
     pub breaker_threshold: u32,
@@ -337,6 +341,7 @@ impl ServeArgs {
         s.queue_bound = self.queue_bound;
         s.max_running_per_tenant = self.max_running_per_tenant;
         s.shutdown_grace = self.shutdown_grace;
+        s.shutdown_delay = self.shutdown_delay;
         s.breaker = crate::domain::breaker::BreakerPolicy {
             threshold: self.breaker_threshold,
             cooldown: self.breaker_cooldown,

@@ -57,6 +57,10 @@ pub struct Settings {
     pub queue_max_running_per_tenant: std::collections::BTreeMap<String, u32>,
     /// How long in-flight calls may run on after shutdown starts.
     pub shutdown_grace: Duration,
+    /// How long the server goes on serving after the shutdown signal, its
+    /// health already `NOT_SERVING`, before it stops taking calls: the time
+    /// a load balancer (a Kubernetes Service) needs to stop sending it any.
+    pub shutdown_delay: Duration,
     /// When circuit breakers open (threshold 0: never).
     pub breaker: crate::domain::breaker::BreakerPolicy,
     /// Token file (see `auth::file`); `None` is open development mode.
@@ -137,6 +141,7 @@ impl Settings {
             max_running_per_tenant: None,
             queue_max_running_per_tenant: std::collections::BTreeMap::new(),
             shutdown_grace: Duration::from_secs(20),
+            shutdown_delay: Duration::ZERO,
             breaker: crate::domain::breaker::BreakerPolicy {
                 threshold: 5,
                 cooldown: Duration::from_secs(30),

@@ -110,6 +110,7 @@ pub async fn run_with(
     let stop = CancellationToken::new();
     let reaper_interval = settings.reaper_interval;
     let shutdown_grace = settings.shutdown_grace;
+    let shutdown_delay = settings.shutdown_delay;
     let reload_interval = settings.reload_interval;
     let metrics = Arc::new(Metrics::new());
     let observer = Arc::new(Observer::new(
@@ -275,6 +276,13 @@ pub async fn run_with(
             health
                 .set_service_status("", tonic_health::ServingStatus::NotServing)
                 .await;
+            // Serving on, reported as not serving, until the load balancer
+            // has stopped sending calls here: closed now, its late ones
+            // would be refused.
+            if !shutdown_delay.is_zero() {
+                tracing::info!(delay = ?shutdown_delay, "not serving; taking calls a while longer");
+                tokio::time::sleep(shutdown_delay).await;
+            }
             // Ends long-polls and watch streams so that draining is quick.
             stop.cancel();
         }

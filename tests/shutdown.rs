@@ -14,6 +14,7 @@ use serde_json::json;
 common::backend_tests!(
     shutdown_ends_long_polls_and_streams_promptly,
     a_stalled_http_request_holds_shutdown_only_its_grace,
+    the_shutdown_delay_serves_on_while_reporting_not_serving,
 );
 
 async fn shutdown_ends_long_polls_and_streams_promptly(backend: Backend) {
@@ -107,4 +108,62 @@ async fn a_stalled_http_request_holds_shutdown_only_its_grace(backend: Backend) 
         "stopped in {stop_took:?}"
     );
     drop(stalled);
+}
+
+/// With `shutdown_delay`, a server told to stop reports `NOT_SERVING` at
+/// once and goes on taking calls (a connection opened now, a `Submit`)
+/// until the delay is over, then stops: the window in which a load
+/// balancer still sends it calls. Without it, the port closed at once.
+async fn the_shutdown_delay_serves_on_while_reporting_not_serving(backend: Backend) {
+    let server = TestServer::start_with(backend, |s| {
+        s.shutdown_delay = Duration::from_secs(2);
+    })
+    .await;
+    let stopping = Instant::now();
+    server.begin_shutdown();
+    let status = within(Duration::from_secs(2), "not serving", async {
+        loop {
+            let mut health = tonic_health::pb::health_client::HealthClient::new(
+                connect(&server.url())
+                    .await
+                    .expect("a new connection is taken"),
+            );
+            let answer = health
+                .check(tonic_health::pb::HealthCheckRequest {
+                    service: String::new(),
+                })
+                .await
+                .expect("health answers")
+                .into_inner()
+                .status;
+            if answer == tonic_health::pb::health_check_response::ServingStatus::NotServing as i32 {
+                return answer;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert_ne!(status, 0);
+    // A new connection, a new call, still inside the delay.
+    let channel = connect(&server.url())
+        .await
+        .expect("connect during the delay");
+    let mut jobs = intray::pb::job_service_client::JobServiceClient::with_interceptor(
+        channel,
+        Tenant::named("t"),
+    );
+    let submitted = jobs
+        .submit(submit_req("late", "k", json!({})))
+        .await
+        .expect("a call inside the delay is served");
+    assert!(submitted.into_inner().created);
+    assert!(
+        stopping.elapsed() < Duration::from_secs(2),
+        "the checks ran inside the delay"
+    );
+    server.stop().await;
+    assert!(
+        stopping.elapsed() >= Duration::from_secs(2),
+        "stopped after the delay, not before"
+    );
 }

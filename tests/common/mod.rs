@@ -359,6 +359,12 @@ impl TestServer {
             .max_encoding_message_size(16 * 1024 * 1024)
     }
 
+    /// Sends the server its shutdown signal without waiting ([`Self::stop`]
+    /// waits).
+    pub fn begin_shutdown(&self) {
+        self.shutdown.cancel();
+    }
+
     /// Stops the server, waits for it, and (for the primary) drops the database
     /// once no replica uses it any more.
     pub async fn stop(mut self) {
@@ -399,7 +405,8 @@ impl Drop for TestServer {
     }
 }
 
-async fn connect(url: &str) -> Result<Channel, tonic::transport::Error> {
+/// A new connection to `url` (not a server's shared channel).
+pub async fn connect(url: &str) -> Result<Channel, tonic::transport::Error> {
     Endpoint::from_shared(url.to_string())
         .expect("valid endpoint URL")
         .tcp_nodelay(true)
