@@ -213,7 +213,9 @@ pub struct Target {
 
 impl Target {
     /// Splits an `http://` or `https://` URL; `None` when it is not one,
-    /// holds whitespace or control characters, has credentials in it (`user@host`), or has no usable host or port.
+    /// holds whitespace or control characters, has credentials in it
+    /// (`user@host`), has no usable host or port, or a path and query an
+    /// HTTP request cannot carry as they are (an unescaped `<`, say).
     pub fn parse(url: &str) -> Option<Target> {
         if url.chars().any(|c| c.is_whitespace() || c.is_control()) {
             return None;
@@ -256,6 +258,9 @@ impl Target {
         } else {
             format!("/{tail}")
         };
+        // What the dispatcher's request will carry: a path it could not
+        // send is refused at `Submit`, not failed for good at delivery.
+        path.parse::<hyper::http::uri::PathAndQuery>().ok()?;
         Some(Target {
             tls,
             host: host.to_ascii_lowercase(),
@@ -644,6 +649,8 @@ mod tests {
             "http://ho st/",
             "http://host/a b",
             "http://host/a\nb",
+            "https://host/a<b",
+            "https://host/a>b",
         ] {
             assert_eq!(Target::parse(bad), None, "{bad}");
         }
