@@ -198,6 +198,34 @@ async fn ingress_verifies_dedupes_and_refuses(backend: Backend) {
     let now = chrono::Utc::now().timestamp();
     let body = br#"{"event": "charge.succeeded", "amount": 42.5}"#;
 
+    // A producer cannot take the key a provider's message will have: the
+    // ingress's `hook/` space is refused to every other caller.
+    let mut squatter = submit_req(
+        "hooks",
+        "payment.event",
+        json!({"event": "charge.succeeded", "amount": 42.5}),
+    );
+    squatter.idempotency_key = "hook/payments/msg_1".into();
+    expect_invalid(
+        server.jobs_client(TENANT).submit(squatter.clone()).await,
+        &["idempotency_key"],
+        "a producer's key in the ingress's space",
+    );
+    let batch = server
+        .jobs_client(TENANT)
+        .submit_batch(pb::SubmitBatchRequest {
+            jobs: vec![squatter],
+        })
+        .await
+        .expect("SubmitBatch")
+        .into_inner();
+    match &batch.results[0].result {
+        Some(pb::submit_batch_result::Result::Error(e)) => {
+            assert_eq!(e.field, "jobs[0].idempotency_key");
+        }
+        other => panic!("refused in a batch too: {other:?}"),
+    }
+
     let (status, answer) = post_signed(addr, "payments", "msg_1", now, SOURCE_SECRET, body).await;
     assert_eq!(
         (status, answer["created"].as_bool()),

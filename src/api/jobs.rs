@@ -118,13 +118,27 @@ impl JobsApi {
     }
 
     /// Every check but the deadline's against the clock, which [`Self::admit`]
-    /// makes.
-    fn validate_submit(&self, request: pb::SubmitRequest) -> Result<NewJob, ValidationError> {
+    /// makes. Keys in the ingress's space are the ingress's alone.
+    fn validate_submit(
+        &self,
+        request: pb::SubmitRequest,
+        from_ingress: bool,
+    ) -> Result<NewJob, ValidationError> {
         let input = convert::submit_input(request)?;
         let keys = self.ctx.webhook_keys.current();
-        validate::submission(input, &self.ctx.limits, &keys.allow)
+        let new = validate::submission(input, &self.ctx.limits, &keys.allow)?;
+        if !from_ingress {
+            validate::producer_key(&new)?;
+        }
+        Ok(new)
     }
 }
+
+/// Marks a `Submit` made by the webhook ingress: a request extension only
+/// the server sets, for the one caller whose idempotency keys may start
+/// with [`validate::INGRESS_KEY_PREFIX`].
+#[derive(Clone, Copy, Debug)]
+pub struct FromIngress;
 
 /// The call's trace context as a `traceparent`, stored with submitted jobs
 /// (not part of their idempotency hash: a retried submit may come from
@@ -151,7 +165,8 @@ impl JobService for JobsApi {
     ) -> Result<Response<pb::SubmitResponse>, Status> {
         let tenant = tenant_of(&request)?;
         let trace_parent = call_trace(&request);
-        let mut new = self.validate_submit(request.into_inner())?;
+        let from_ingress = request.extensions().get::<FromIngress>().is_some();
+        let mut new = self.validate_submit(request.into_inner(), from_ingress)?;
         new.trace_parent = trace_parent;
         if let Some(original) = self.admit(&tenant, &new).await? {
             return Ok(Response::new(pb::SubmitResponse {
@@ -185,7 +200,7 @@ impl JobService for JobsApi {
             Vec::with_capacity(jobs.len());
         let mut valid = Vec::new();
         for (i, job) in jobs.into_iter().enumerate() {
-            let new = match self.validate_submit(job) {
+            let new = match self.validate_submit(job, false) {
                 Ok(new) => new,
                 Err(mut err) => {
                     err.field = format!("jobs[{i}].{}", err.field);

@@ -253,6 +253,22 @@ pub fn submit(
     Ok(job)
 }
 
+/// Idempotency keys that start with this are the webhook ingress's
+/// (`hook/{source}/{webhook-id}`): a producer's key must not take one
+/// before the provider's message arrives, which would then be refused.
+pub const INGRESS_KEY_PREFIX: &str = "hook/";
+
+/// Refuses a producer's idempotency key in the ingress's space.
+pub fn producer_key(job: &NewJob) -> Result<()> {
+    match &job.idempotency_key {
+        Some(key) if key.starts_with(INGRESS_KEY_PREFIX) => Err(ValidationError::new(
+            "idempotency_key",
+            "keys starting with hook/ are the webhook ingress's",
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// Refuses a job whose deadline has passed at `now`. Apart from
 /// [`submission`] because it is the one check that depends on when the
 /// request is read: a producer that sends an accepted job again after its

@@ -23,10 +23,11 @@ use tonic::{Code, Request};
 
 use super::body;
 use super::error::HttpError;
-use crate::api::JobsApi;
+use crate::api::{FromIngress, JobsApi};
 use crate::auth::{Identity, Role};
 use crate::config::webhook_source::WebhookKeysSource;
 use crate::config::webhooks::IngressSource;
+use crate::domain::validate::INGRESS_KEY_PREFIX;
 use crate::domain::webhook::VerifyError;
 use crate::pb;
 use crate::pb::job_service_server::JobService;
@@ -145,6 +146,7 @@ async fn handle(
         idempotency_key: idempotency_key(name, &id),
         ..Default::default()
     });
+    request.extensions_mut().insert(FromIngress);
     request.extensions_mut().insert(Identity {
         tenant: source.tenant.clone(),
         roles: [Role::Producer].into_iter().collect(),
@@ -175,12 +177,12 @@ async fn handle(
 /// source's name, so the key names one source and one id. An id too long
 /// for the key's 256 characters goes in as its SHA-256.
 fn idempotency_key(source: &str, id: &str) -> String {
-    let key = format!("hook/{source}/{id}");
+    let key = format!("{INGRESS_KEY_PREFIX}{source}/{id}");
     if key.chars().count() <= 256 {
         key
     } else {
         format!(
-            "hook/{source}/sha256:{}",
+            "{INGRESS_KEY_PREFIX}{source}/sha256:{}",
             hex::encode(Sha256::digest(id.as_bytes()))
         )
     }
