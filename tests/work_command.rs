@@ -24,6 +24,7 @@ common::backend_tests!(
     work_with_a_command_it_cannot_find_refuses_to_start,
     work_keeps_a_result_made_on_sigterm_at_shutdown,
     work_started_with_sigchld_ignored_still_reads_exit_codes,
+    work_told_twice_to_stop_stops_at_once,
 );
 
 const TENANT: &str = "acme";
@@ -69,9 +70,24 @@ struct WorkProcess {
     dir: tempfile::TempDir,
 }
 
+/// The lease, grace and kill-after of the tests' `intray work`.
+const TIMINGS: [&str; 6] = [
+    "--lease-duration",
+    "3s",
+    "--grace",
+    "2s",
+    "--kill-after",
+    "1s",
+];
+
 impl WorkProcess {
     async fn start(server: &TestServer, extra: &[&str]) -> WorkProcess {
-        Self::spawn(Command::new(env!("CARGO_BIN_EXE_intray")), server, extra)
+        Self::spawn(
+            Command::new(env!("CARGO_BIN_EXE_intray")),
+            server,
+            &TIMINGS,
+            extra,
+        )
     }
 
     /// As [`Self::start`], with SIGCHLD ignored, as a supervisor might
@@ -88,24 +104,22 @@ impl WorkProcess {
                     .map_err(std::io::Error::from)
             });
         }
-        Self::spawn(command, server, extra)
+        Self::spawn(command, server, &TIMINGS, extra)
     }
 
-    fn spawn(mut command: Command, server: &TestServer, extra: &[&str]) -> WorkProcess {
+    fn spawn(
+        mut command: Command,
+        server: &TestServer,
+        timings: &[&str],
+        extra: &[&str],
+    ) -> WorkProcess {
         let dir = tempfile::tempdir().expect("temporary directory");
         let script = dir.path().join("job.sh");
         std::fs::write(&script, SCRIPT).expect("write the script");
         command
             .args(["work", "--addr", &server.url(), "--tenant", TENANT])
             .args(["--queue", "shell", "--worker-id", "shell-worker"])
-            .args([
-                "--lease-duration",
-                "3s",
-                "--grace",
-                "2s",
-                "--kill-after",
-                "1s",
-            ])
+            .args(timings)
             .args(extra)
             .arg("--")
             .arg("sh")
@@ -402,4 +416,51 @@ async fn work_keeps_a_result_made_on_sigterm_at_shutdown(backend: Backend) {
     );
     assert_eq!(done.attempt, 1);
     server.stop().await;
+}
+
+/// A second SIGTERM during the drain stops the running command at once and
+/// gives its outcome one try: with the server gone, the first alone waited
+/// out the 20 s grace and then retried the outcome for a whole lease
+/// (30 s). Told twice, `intray work` exits within seconds.
+async fn work_told_twice_to_stop_stops_at_once(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let timings = [
+        "--lease-duration",
+        "30s",
+        "--grace",
+        "20s",
+        "--kill-after",
+        "1s",
+    ];
+    let intray = Command::new(env!("CARGO_BIN_EXE_intray"));
+    let mut worker = WorkProcess::spawn(intray, &server, &timings, &[]);
+    let job = submit(&mut jobs, "shell", "hang", json!({})).await;
+    let pid_file = worker.path(&format!("{}.pid", job.id));
+    within(LONG, "the command to start", async {
+        while !pid_file.exists() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    let command = read_pid(&pid_file).await;
+    server.stop().await;
+    let pid = Pid::from_raw(worker.child.id().expect("intray work runs") as i32);
+    kill(pid, Signal::SIGTERM).expect("the first SIGTERM");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let told_again = Instant::now();
+    kill(pid, Signal::SIGTERM).expect("the second SIGTERM");
+    within(
+        Duration::from_secs(8),
+        "intray work to exit when told twice",
+        worker.child.wait(),
+    )
+    .await
+    .expect("wait for intray work");
+    assert!(
+        told_again.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        told_again.elapsed()
+    );
+    assert!(process_gone(command), "the command was stopped");
 }

@@ -297,14 +297,18 @@ async fn complete(
             | Code::Internal
             | Code::ResourceExhausted
             | Code::Cancelled
-                if Instant::now() < give_up =>
+                if Instant::now() < give_up && !shared.forced.is_cancelled() =>
             {
                 // The last try comes at the limit, not a backoff past it.
                 let delay = retry
                     .next_delay()
                     .min(give_up.saturating_duration_since(Instant::now()));
                 tracing::warn!(job_id = %leased.job_id, code = ?status.code(), message = status.message(), retry_in = ?delay, "complete failed; retrying");
-                tokio::time::sleep(delay).await;
+                tokio::select! {
+                    () = tokio::time::sleep(delay) => {}
+                    // Told to stop now: the try after it is the last.
+                    () = shared.forced.cancelled() => give_up = Instant::now(),
+                }
             }
             _ => {
                 tracing::error!(job_id = %leased.job_id, code = ?status.code(), message = status.message(), "could not report the outcome; the lease will expire and the job run again");

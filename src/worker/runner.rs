@@ -37,6 +37,9 @@ pub(crate) struct Shared {
     pub handlers: Handlers,
     /// Fired when the drain grace period is over: running handlers must stop.
     pub hard_stop: CancellationToken,
+    /// Fired when the stop must not wait (a second signal): the hard stop
+    /// comes at once, and an outcome gets one try, no retries.
+    pub forced: CancellationToken,
     /// Fired when the worker stops leasing: attempts stop asking for their
     /// next job with their outcome.
     pub draining: CancellationToken,
@@ -82,6 +85,7 @@ impl Worker {
                 config,
                 handlers,
                 hard_stop: CancellationToken::new(),
+                forced: CancellationToken::new(),
                 draining: CancellationToken::new(),
                 chaining: AtomicBool::new(true),
             }),
@@ -109,6 +113,19 @@ impl Worker {
     /// `UNIMPLEMENTED` on `Lease`), after draining the running jobs; an
     /// unreachable or unavailable server is retried with backoff forever.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), WorkerError> {
+        self.run_until(shutdown, std::future::pending()).await
+    }
+
+    /// [`Worker::run`], with a second stop: when `force` completes during
+    /// the drain (a second Ctrl-C, say), the running jobs are stopped at
+    /// once instead of at the end of the grace period, and each outcome
+    /// gets one try (an outcome not reported leaves its job to come back
+    /// when its lease ends).
+    pub async fn run_until(
+        self,
+        shutdown: impl Future<Output = ()>,
+        force: impl Future<Output = ()>,
+    ) -> Result<(), WorkerError> {
         let shared = self.shared;
         let slots = Arc::new(Semaphore::new(shared.config.concurrency));
         let mut attempts = JoinSet::new();
@@ -188,7 +205,7 @@ impl Worker {
             }
         };
         shared.draining.cancel();
-        drain(&shared, &mut attempts).await;
+        drain(&shared, &mut attempts, force).await;
         outcome
     }
 }
@@ -238,25 +255,31 @@ async fn run_one(shared: Arc<Shared>, leased: attempt::Leased, permit: OwnedSema
     drop(permit);
 }
 
-/// Waits for running attempts; after the grace period tells them to stop.
-async fn drain(shared: &Shared, attempts: &mut JoinSet<()>) {
+/// Waits for running attempts; after the grace period, or at once when
+/// `force` completes, tells them to stop.
+async fn drain(shared: &Shared, attempts: &mut JoinSet<()>, force: impl Future<Output = ()>) {
     while attempts.try_join_next().is_some() {}
     if attempts.is_empty() {
         tracing::info!("worker stopped");
         return;
     }
     tracing::info!(running = attempts.len(), grace = ?shared.config.grace, "draining");
-    let all_done = async { while attempts.join_next().await.is_some() {} };
-    if tokio::time::timeout(shared.config.grace, all_done)
-        .await
-        .is_err()
-    {
-        tracing::warn!(
-            running = attempts.len(),
-            "grace period over; stopping running jobs"
-        );
-        shared.hard_stop.cancel();
-        while attempts.join_next().await.is_some() {}
+    tokio::pin!(force);
+    let grace_over = tokio::time::sleep(shared.config.grace);
+    tokio::pin!(grace_over);
+    loop {
+        tokio::select! {
+            joined = attempts.join_next() => if joined.is_none() { break },
+            () = &mut grace_over, if !shared.hard_stop.is_cancelled() => {
+                tracing::warn!(running = attempts.len(), "grace period over; stopping running jobs");
+                shared.hard_stop.cancel();
+            }
+            () = &mut force, if !shared.forced.is_cancelled() => {
+                tracing::warn!(running = attempts.len(), "told again to stop; stopping running jobs now");
+                shared.forced.cancel();
+                shared.hard_stop.cancel();
+            }
+        }
     }
     tracing::info!("worker stopped");
 }

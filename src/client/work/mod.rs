@@ -106,7 +106,8 @@ pub async fn run(opts: &ClientOpts, args: WorkArgs) -> Result<(), ClientError> {
         builder = builder.worker_id(id);
     }
     let worker = builder.build().map_err(worker_error)?;
-    worker.run(shutdown_signal()).await.map_err(worker_error)
+    let (first, second) = stop_signals();
+    worker.run_until(first, second).await.map_err(worker_error)
 }
 
 fn worker_error(error: WorkerError) -> ClientError {
@@ -116,21 +117,44 @@ fn worker_error(error: WorkerError) -> ClientError {
     }
 }
 
-/// Completes on SIGINT or SIGTERM.
-async fn shutdown_signal() {
+/// Two futures: the first completes on the first SIGINT or SIGTERM (drain:
+/// no more leases, running commands get the grace period), the second on
+/// the next one (stop the running commands now).
+fn stop_signals() -> (impl Future<Output = ()>, impl Future<Output = ()>) {
     use tokio::signal::unix::{SignalKind, signal};
-    let wait = |kind: SignalKind| async move {
-        match signal(kind) {
-            Ok(mut stream) => {
-                stream.recv().await;
-            }
-            // Without the handler the default action (exit) applies anyway.
-            Err(_) => std::future::pending::<()>().await,
+    let (first_tx, first_rx) = tokio::sync::oneshot::channel::<()>();
+    let (second_tx, second_rx) = tokio::sync::oneshot::channel::<()>();
+    // Registered now, before any command runs: without a handler the
+    // default action (exit) would apply, leaving the commands behind.
+    let streams = signal(SignalKind::interrupt()).and_then(|interrupt| {
+        signal(SignalKind::terminate()).map(|terminate| (interrupt, terminate))
+    });
+    match streams {
+        Ok((mut interrupt, mut terminate)) => {
+            tokio::spawn(async move {
+                for (tx, what) in [
+                    (
+                        first_tx,
+                        "shutting down: no more leases, draining running commands",
+                    ),
+                    (second_tx, "told again: stopping running commands now"),
+                ] {
+                    tokio::select! {
+                        _ = interrupt.recv() => {}
+                        _ = terminate.recv() => {}
+                    }
+                    tracing::info!("{what}");
+                    let _ = tx.send(());
+                }
+            });
+        }
+        Err(err) => tracing::warn!(error = %err, "cannot listen for SIGINT and SIGTERM"),
+    }
+    // A sender dropped unsent (no handler) means no signal will come.
+    let wait = |rx: tokio::sync::oneshot::Receiver<()>| async move {
+        if rx.await.is_err() {
+            std::future::pending::<()>().await;
         }
     };
-    tokio::select! {
-        () = wait(SignalKind::interrupt()) => {}
-        () = wait(SignalKind::terminate()) => {}
-    }
-    tracing::info!("shutting down: no more leases, draining running commands");
+    (wait(first_rx), wait(second_rx))
 }
