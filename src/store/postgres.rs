@@ -3410,11 +3410,14 @@ mod tests {
         scratch.drop().await;
     }
 
-    /// A migrated database of its own for one test.
+    /// A migrated database of its own for one test, dropped by
+    /// [`Scratch::drop`], or when it goes out of scope (a test that
+    /// panicked).
     struct Scratch {
         admin: PgConnection,
         name: String,
         url: String,
+        dropped: bool,
     }
 
     impl Scratch {
@@ -3431,7 +3434,12 @@ mod tests {
                 .expect("the URL names a database");
             let url = format!("{base}/{name}");
             migrate(&url).await.expect("migrate");
-            Scratch { admin, name, url }
+            Scratch {
+                admin,
+                name,
+                url,
+                dropped: false,
+            }
         }
 
         /// A store on this database with the default settings.
@@ -3450,6 +3458,36 @@ mod tests {
             .execute(&mut self.admin)
             .await
             .expect("drop the database");
+            self.dropped = true;
+        }
+    }
+
+    impl Drop for Scratch {
+        /// A test that panicked before [`Scratch::drop`] leaves no database
+        /// behind: dropped from a thread of its own, since this may run
+        /// inside the test's runtime, which cannot be blocked on.
+        fn drop(&mut self) {
+            if self.dropped {
+                return;
+            }
+            let statement = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name);
+            let dropped = std::thread::spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .ok()?;
+                runtime.block_on(async {
+                    let mut admin = PgConnection::connect(&admin_url()).await.ok()?;
+                    sqlx::query(sqlx::AssertSqlSafe(statement))
+                        .execute(&mut admin)
+                        .await
+                        .ok()
+                })
+            })
+            .join();
+            if !matches!(dropped, Ok(Some(_))) {
+                eprintln!("could not drop the test database {}", self.name);
+            }
         }
     }
 
