@@ -39,19 +39,39 @@ a server where the user may CREATE DATABASE.
 MSG
   exit 1
 fi
+# Answering is not letting in: a refused login (user, password, pg_hba)
+# must be named here, not fail every PostgreSQL test.
+if command -v psql >/dev/null 2>&1 &&
+  ! login=$(psql "$INTRAY_TEST_PG_URL" -Atqc 'SELECT 1' 2>&1 >/dev/null); then
+  cat >&2 <<MSG
+test.sh: PostgreSQL at $INTRAY_TEST_PG_URL answers but refuses the tests:
+$login
+Point INTRAY_TEST_PG_URL at a user that may log in and CREATE DATABASE.
+MSG
+  exit 1
+fi
 
-# The clock-skew fault test runs a server under libfaketime.
-if [ ! -e /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 ]; then
+# The clock-skew fault test runs a server under libfaketime (Debian puts it
+# under the machine's multiarch folder).
+faketime_lib() {
+  local lib
+  for lib in /usr/lib/*/faketime/libfaketime.so.1; do
+    [ -e "$lib" ] && { echo "$lib"; return 0; }
+  done
+  return 1
+}
+if ! faketime_lib >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "test.sh: installing Debian's faketime package for the clock-skew test" >&2
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q faketime >/dev/null ||
       { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q faketime >/dev/null; }
   fi
 fi
-if [ ! -e /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 ]; then
+if ! INTRAY_FAKETIME_LIB=$(faketime_lib); then
   echo "test.sh: missing libfaketime (Debian package faketime: apt-get install faketime); the clock-skew test needs it" >&2
   exit 1
 fi
+export INTRAY_FAKETIME_LIB
 
 # Databases left behind by an interrupted earlier run.
 if command -v psql >/dev/null 2>&1; then
@@ -70,6 +90,8 @@ if [ "$#" -gt 0 ]; then
 fi
 
 cargo test --all-targets
+# The examples in the documentation compile (and run, unless marked not to).
+cargo test --doc
 
 # The dashboard in headless Chromium against the binary just built
 # (installs Debian's chromium when missing; screenshots under target/screenshots).
