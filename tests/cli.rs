@@ -114,5 +114,23 @@ async fn watch_exits_by_how_the_job_ended(backend: Backend) {
     // state decides.
     let output = intray(&server, &["watch", "--after", "10", &failed.id]).await;
     assert_eq!(output.status.code(), Some(3), "{output:?}");
+
+    // Its output closed while the job still runs (`intray watch ID | head
+    // -n1 && deploy`): it does not know how the job ends, so not 0.
+    let running = submit(&mut jobs, "watched", "k", json!({})).await;
+    lease_one(&mut workers, "w", "watched").await;
+    let mut command = Command::new(env!("CARGO_BIN_EXE_intray"));
+    let mut watch = command
+        .args(["--addr", &server.url(), "--tenant", TENANT])
+        .args(["watch", &running.id])
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start watch");
+    drop(watch.stdout.take());
+    let status = within(Duration::from_secs(30), "watch to exit", watch.wait())
+        .await
+        .expect("wait for watch");
+    assert_eq!(status.code(), Some(1), "{status:?}");
     server.stop().await;
 }

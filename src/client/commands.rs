@@ -41,10 +41,13 @@ const WATCH_MAX_RECONNECTS: u32 = 10;
 ///
 /// Arguments are checked and the request is built before connecting, so a
 /// typo fails at once even when the server is down. Output that stops being
-/// read (`intray list | head`) ends the command quietly, as other CLIs do.
+/// read (`intray list | head`) ends the command quietly, as other CLIs do;
+/// but not `watch`, whose exit status says how the job ended: a watch cut
+/// short does not know, and must not pass for a success.
 pub async fn run(opts: ClientOpts, cmd: ClientCommand) -> Result<(), ClientError> {
+    let watching = matches!(cmd, ClientCommand::Watch(_));
     match execute(opts, cmd).await {
-        Err(ClientError::Output(e)) if e.kind() == io::ErrorKind::BrokenPipe => Ok(()),
+        Err(ClientError::Output(e)) if e.kind() == io::ErrorKind::BrokenPipe && !watching => Ok(()),
         other => other,
     }
 }
