@@ -911,6 +911,25 @@ async fn openapi_lists_every_route_the_router_serves(backend: Backend) {
     assert_eq!(doc.status, 200);
     let doc = doc.json();
     assert!(doc["openapi"].as_str().expect("version").starts_with("3."));
+    // What a generated client needs to call the routes as they are: the
+    // list's repeatable filters and numbers, the stream's 204.
+    let list_params = &doc["paths"]["/api/v1/jobs"]["get"]["parameters"];
+    let param = |name: &str| {
+        list_params
+            .as_array()
+            .expect("parameters")
+            .iter()
+            .find(|p| p["name"] == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("{name} is documented"))
+    };
+    assert_eq!(param("state")["schema"]["type"], "array");
+    assert_eq!(param("label")["schema"]["type"], "array");
+    assert_eq!(param("page_size")["schema"]["type"], "integer");
+    assert!(
+        doc["paths"]["/api/v1/jobs/{id}/events"]["get"]["responses"]["204"].is_object(),
+        "the stream's 204 is documented"
+    );
     // A finished job, so that its event stream ends.
     let job = submit_http(&http, "doc", "k").await;
     let id = id_of(&job);

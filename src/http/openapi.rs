@@ -169,6 +169,18 @@ pub const OPERATIONS: &[Operation] = &[
     },
 ];
 
+/// A query parameter as the routes read it: `page_size` and
+/// `after_sequence` are numbers, `state` and `label` may repeat
+/// (`state=failed&state=expired`), the rest are one string each.
+fn query_parameter(name: &str) -> Value {
+    let schema = match name {
+        "page_size" | "after_sequence" => json!({"type": "integer", "minimum": 0}),
+        "state" | "label" => json!({"type": "array", "items": {"type": "string"}}),
+        _ => json!({"type": "string"}),
+    };
+    json!({"name": name, "in": "query", "schema": schema, "style": "form", "explode": true})
+}
+
 /// A `$ref` to a component schema.
 fn schema_ref(name: &str) -> Value {
     json!({"$ref": format!("#/components/schemas/{name}")})
@@ -187,11 +199,7 @@ fn operation(op: &Operation) -> Value {
             )
         })
         .collect();
-    parameters.extend(
-        op.query
-            .iter()
-            .map(|q| json!({"name": q, "in": "query", "schema": {"type": "string"}})),
-    );
+    parameters.extend(op.query.iter().map(|q| query_parameter(q)));
     if op.rpc == "Submit" {
         parameters.push(json!({"name": "Idempotency-Key", "in": "header",
                                "schema": {"type": "string"}}));
@@ -215,6 +223,12 @@ fn operation(op: &Operation) -> Value {
     responses.insert(ok.into(), success.clone());
     if op.rpc == "Submit" {
         responses.insert("200".into(), success);
+    }
+    if op.rpc == "WatchJob" {
+        responses.insert(
+            "204".into(),
+            json!({"description": "Nothing after Last-Event-ID: the job had already ended"}),
+        );
     }
     responses.insert("default".into(), error);
     let mut out = json!({

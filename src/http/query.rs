@@ -59,7 +59,13 @@ pub fn list(query: Option<&str>) -> Result<pb::ListJobsRequest, ValidationError>
                 let (key, val) = value
                     .split_once('=')
                     .ok_or_else(|| ValidationError::new("label", "write it as key=value"))?;
-                labels.insert(key.to_owned(), val.to_owned());
+                // As the CLI: a second value would silently replace the first.
+                if labels.insert(key.to_owned(), val.to_owned()).is_some() {
+                    return Err(ValidationError::new(
+                        format!("label[{key}]"),
+                        "given twice; a job has one value per label",
+                    ));
+                }
             }
             other => return Err(unknown(other)),
         }
@@ -172,6 +178,12 @@ mod tests {
             "page_size"
         );
         assert_eq!(list(Some("label=nokey")).expect_err("bad").field, "label");
+        assert_eq!(
+            list(Some("label=team=ml&label=team=ops"))
+                .expect_err("twice")
+                .field,
+            "label[team]"
+        );
         assert_eq!(list(Some("queu=x")).expect_err("typo").field, "queu");
         assert_eq!(stats(Some("q=x")).expect_err("typo").field, "q");
         assert_eq!(
