@@ -39,11 +39,18 @@ use crate::engine::notifier::Notifier;
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqlite");
 
+/// Bytes the write-ahead log is cut back to after a checkpoint.
+const WAL_SIZE_LIMIT: u64 = 64 * 1024 * 1024;
+
 fn options(url: &str) -> StoreResult<SqliteConnectOptions> {
     Ok(SqliteConnectOptions::from_str(url)?
         .create_if_missing(true)
         .journal_mode(SqliteJournalMode::Wal)
         .synchronous(SqliteSynchronous::Full)
+        // A write-ahead log grown by a large batch (a thousand 1 MiB
+        // payloads is a gigabyte) is cut back to this once checkpointed;
+        // without a limit the file kept its largest size until the end.
+        .pragma("journal_size_limit", WAL_SIZE_LIMIT.to_string())
         .foreign_keys(true)
         .busy_timeout(Duration::from_secs(5)))
 }
@@ -952,7 +959,8 @@ impl Store for SqliteStore {
         dry_run: bool,
     ) -> StoreResult<Retried> {
         let states: Vec<&str> = filter.states.iter().map(|s| s.as_str()).collect();
-        let mut tx = self.begin().await?;
+        // Counted on the read pool, as every count here: a large dead set
+        // counted under the one write lock held every write meanwhile.
         let matched: i64 = sqlx::query_scalar(concat!(
             "SELECT count(*) FROM jobs WHERE ",
             replay_filter!()
@@ -962,7 +970,7 @@ impl Store for SqliteStore {
         .bind(filter.queue.as_deref())
         .bind(filter.kind.as_deref())
         .bind(filter.error_class.as_deref())
-        .fetch_one(&mut *tx)
+        .fetch_one(&self.reader)
         .await?;
         let matched = to_u64(matched, "count")?;
         if dry_run {
@@ -971,6 +979,7 @@ impl Store for SqliteStore {
                 matched,
             });
         }
+        let mut tx = self.begin().await?;
         let rows = sqlx::query(concat!(
             "SELECT * FROM jobs WHERE ",
             replay_filter!(),
@@ -1452,6 +1461,96 @@ impl Store for SqliteStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::domain::fixtures::new_job;
+
+    async fn scratch_store(dir: &tempfile::TempDir) -> (SqliteStore, std::path::PathBuf) {
+        let path = dir.path().join("jobs.db");
+        let url = format!("sqlite://{}", path.display());
+        let store = SqliteStore::open(&Settings::new(&url), Arc::new(Notifier::new()))
+            .await
+            .expect("open");
+        (store, path)
+    }
+
+    /// A full disk is the database being unavailable (retry later), as a
+    /// lost PostgreSQL is, not an internal error: played by a page limit.
+    #[tokio::test]
+    async fn a_full_disk_answers_unavailable() {
+        let dir = tempfile::tempdir().expect("dir");
+        let (store, _) = scratch_store(&dir).await;
+        sqlx::raw_sql("PRAGMA max_page_count = 1")
+            .execute(&store.writer)
+            .await
+            .expect("cap the file at its size");
+        let mut big = new_job();
+        big.payload = serde_json::json!("x".repeat(1 << 20));
+        let refused = store.submit("default", vec![big]).await;
+        assert!(
+            matches!(refused, Err(StoreError::Unavailable(_))),
+            "{refused:?}"
+        );
+    }
+
+    /// The write-ahead log a large batch grew is cut back to its limit
+    /// once it has been checkpointed, instead of keeping its size.
+    #[tokio::test]
+    async fn a_grown_write_ahead_log_is_cut_back() {
+        let dir = tempfile::tempdir().expect("dir");
+        let (store, path) = scratch_store(&dir).await;
+        let wal = path.with_extension("db-wal");
+        let mut big = new_job();
+        big.payload = serde_json::json!("x".repeat(1 << 20));
+        // One transaction larger than the limit: the log holds it whole.
+        store
+            .submit("default", vec![big; 70])
+            .await
+            .expect("a large batch");
+        let size = || std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0);
+        assert!(size() > WAL_SIZE_LIMIT, "the log grew: {}", size());
+        for _ in 0..200 {
+            if size() <= WAL_SIZE_LIMIT {
+                return;
+            }
+            store
+                .submit("default", vec![new_job()])
+                .await
+                .expect("a small submit");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the log kept {} bytes", size());
+    }
+
+    /// A bulk retry's count (and a dry run) reads on the read pool: it
+    /// does not wait for the one writer, which another transaction holds.
+    #[tokio::test]
+    async fn a_dry_run_retry_does_not_wait_for_the_writer() {
+        let dir = tempfile::tempdir().expect("dir");
+        let (store, _) = scratch_store(&dir).await;
+        let mut held = store.writer.acquire().await.expect("the writer");
+        sqlx::raw_sql("BEGIN IMMEDIATE")
+            .execute(&mut *held)
+            .await
+            .expect("hold the write lock");
+        let filter = RetryFilter {
+            queue: None,
+            kind: None,
+            error_class: None,
+            states: vec![JobState::Failed],
+            limit: 10,
+        };
+        let counted = tokio::time::timeout(
+            Duration::from_secs(2),
+            store.retry_matching("default", &filter, true),
+        )
+        .await
+        .expect("counted without the writer")
+        .expect("counted");
+        assert_eq!(counted.matched, 0);
+        sqlx::raw_sql("ROLLBACK")
+            .execute(&mut *held)
+            .await
+            .expect("release");
+    }
 
     /// As on PostgreSQL (`a_mended_row_set_aside_by_the_reaper_is_let_back_in`):
     /// an unreadable expired lease is set aside by the reaper, stays aside
