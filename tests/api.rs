@@ -19,6 +19,7 @@ use tonic::Code;
 common::backend_tests!(
     lifecycle,
     retry_after_backoff,
+    a_retry_answers_the_run_at_it_stored,
     backoff_full_jitter,
     retries_exhausted_then_replay,
     bulk_retry_by_filter,
@@ -662,6 +663,35 @@ async fn a_submit_sent_again_after_its_deadline_gets_the_original(backend: Backe
     }
     let stored = list_all(&mut jobs, list_req()).await;
     assert_eq!(stored.len(), 1, "nothing but the original was stored");
+    server.stop().await;
+}
+
+/// The job a retryable failure's `Complete` answers shows the `run_at`
+/// that was stored, whatever the delay's precision: a jittered backoff
+/// (nanoseconds) and a worker's `retry_after` with nanoseconds. SQLite
+/// keeps milliseconds and PostgreSQL microseconds; the answer showed the
+/// unrounded time, later than the job would really run.
+async fn a_retry_answers_the_run_at_it_stored(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+    for retry_after in [None, Some(Duration::new(30, 123_456_789))] {
+        let job = submit(&mut jobs, "precise", "k", json!({})).await;
+        let leased = lease_one(&mut workers, "w", "precise").await;
+        let answered = workers
+            .complete(failure_req(&leased, "later", Some(true), retry_after))
+            .await
+            .expect("Complete")
+            .into_inner()
+            .job
+            .expect("job");
+        assert_eq!(state(&answered), St::Queued);
+        let stored = get(&mut jobs, &job.id).await;
+        assert_eq!(
+            answered.run_at, stored.run_at,
+            "retry_after {retry_after:?}"
+        );
+    }
     server.stop().await;
 }
 

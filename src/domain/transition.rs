@@ -29,8 +29,15 @@ pub const LEASE_EXPIRED_CLASS: &str = "lease_expired";
 /// Error class recorded when a failure finds the job's spend limit reached.
 pub const BUDGET_EXHAUSTED_CLASS: &str = "budget_exhausted";
 
+/// A delay added to `now`, in whole milliseconds: the time it gives is then
+/// one both stores keep exactly (SQLite in milliseconds, PostgreSQL in
+/// microseconds), and the job a call answers shows the time that was
+/// stored. A jittered backoff has nanoseconds.
 fn chrono_delay(d: Duration) -> chrono::Duration {
-    chrono::Duration::from_std(d).unwrap_or(chrono::Duration::MAX)
+    i64::try_from(d.as_millis())
+        .ok()
+        .and_then(chrono::Duration::try_milliseconds)
+        .unwrap_or(chrono::Duration::MAX)
 }
 
 /// Bumps the job's sequence and `updated_at` (which never goes back) and
