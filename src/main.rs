@@ -204,7 +204,9 @@ fn keep_serving_on_sighup() {
         Ok(mut hangup) => {
             tokio::spawn(async move {
                 while hangup.recv().await.is_some() {
-                    tracing::debug!("SIGHUP: reloading what is reloadable");
+                    tracing::debug!(
+                        "SIGHUP (the watchers of reloadable files, if any, reload them)"
+                    );
                 }
             });
         }

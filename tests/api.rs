@@ -603,11 +603,11 @@ async fn a_submit_sent_again_after_its_deadline_gets_the_original(backend: Backe
     let mut jobs = server.jobs_client("t");
     let mut r = submit_req("q", "k", json!({"n": 1}));
     r.idempotency_key = "soon-late".into();
-    r.deadline = Some(ts(chrono::Utc::now() + chrono::Duration::milliseconds(700)));
+    r.deadline = Some(ts(chrono::Utc::now() + chrono::Duration::seconds(2)));
     let first = jobs.submit(r.clone()).await.expect("Submit").into_inner();
     assert!(first.created);
     let first = first.job.expect("job");
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    tokio::time::sleep(Duration::from_millis(2300)).await;
 
     let again = jobs
         .submit(r.clone())

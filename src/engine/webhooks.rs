@@ -133,8 +133,9 @@ impl Dispatcher {
 
     /// Delivers until `stop` fires, then waits for the attempts in flight
     /// (each at most `timeout`). Up to [`IN_FLIGHT`] attempts run at once,
-    /// each on its own: a slot freed is filled at once while more rows are
-    /// due, else at the next `poll`. One receiver that never answers holds
+    /// each on its own: while more rows are due, the free slots are filled
+    /// once half of them are free (one claim per few deliveries, not one
+    /// each), and at every `poll`. One receiver that never answers holds
     /// only its own slots for its timeout, not everyone's callbacks behind
     /// a batch. A reconciliation sweep runs every minute.
     pub async fn run(self: Arc<Self>, stop: CancellationToken) {
@@ -147,11 +148,14 @@ impl Dispatcher {
         // Whether the last claim filled the free slots: more may be due.
         let mut more_due = false;
         loop {
-            tokio::select! {
+            let ticked = tokio::select! {
+                // First: once stopping, nothing more is claimed.
+                biased;
                 () = stop.cancelled() => break,
-                _ = ticker.tick() => more_due = true,
-                Some(_) = in_flight.join_next(), if !in_flight.is_empty() => {}
-            }
+                _ = ticker.tick() => true,
+                Some(_) = in_flight.join_next(), if !in_flight.is_empty() => false,
+            };
+            more_due |= ticked;
             if swept_at.is_none_or(|t| t.elapsed() >= SWEEP_EVERY) {
                 swept_at = Some(tokio::time::Instant::now());
                 match self.outbox.reconcile(self.timings.retry_window, 500).await {
@@ -161,7 +165,7 @@ impl Dispatcher {
                 }
             }
             let free = IN_FLIGHT.saturating_sub(in_flight.len());
-            if !more_due || free == 0 {
+            if !more_due || free == 0 || (!ticked && free < IN_FLIGHT / 2) {
                 continue;
             }
             let claimed = u32::try_from(free).unwrap_or(u32::MAX);

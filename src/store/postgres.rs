@@ -1585,13 +1585,22 @@ impl PgStore {
                 .await?;
         let mut holders = HashMap::with_capacity(rows.len());
         for row in &rows {
-            match row.try_get::<Option<String>, _>("idempotency_key") {
-                Ok(Some(key)) => {
-                    holders.insert(key, job_from_row(row));
-                }
-                Ok(None) => {}
-                Err(err) => return Err(err.into()),
-            }
+            let Some(key) = row.try_get::<Option<String>, _>("idempotency_key")? else {
+                continue;
+            };
+            // Logged and counted as every row that cannot be read is.
+            let holder = self
+                .unreadable
+                .readable(std::slice::from_ref(row), job_from_row, row_key, "submit")
+                .pop()
+                .map(|(_, job)| job)
+                .ok_or_else(|| {
+                    StoreError::Internal(
+                        "the job holding this idempotency key cannot be read; an operator must mend or delete it"
+                            .into(),
+                    )
+                });
+            holders.insert(key, holder);
         }
         Ok(holders)
     }

@@ -959,9 +959,7 @@ impl Store for SqliteStore {
         dry_run: bool,
     ) -> StoreResult<Retried> {
         let states: Vec<&str> = filter.states.iter().map(|s| s.as_str()).collect();
-        // Counted on the read pool, as every count here: a large dead set
-        // counted under the one write lock held every write meanwhile.
-        let matched: i64 = sqlx::query_scalar(concat!(
+        let count = sqlx::query_scalar::<_, i64>(concat!(
             "SELECT count(*) FROM jobs WHERE ",
             replay_filter!()
         ))
@@ -969,17 +967,20 @@ impl Store for SqliteStore {
         .bind(to_json(&states))
         .bind(filter.queue.as_deref())
         .bind(filter.kind.as_deref())
-        .bind(filter.error_class.as_deref())
-        .fetch_one(&self.reader)
-        .await?;
-        let matched = to_u64(matched, "count")?;
+        .bind(filter.error_class.as_deref());
         if dry_run {
+            // On the read pool: a large dead set counted under the one
+            // write lock held every write meanwhile, for a mere look.
+            let matched = to_u64(count.fetch_one(&self.reader).await?, "count")?;
             return Ok(Retried {
                 retried: Vec::new(),
                 matched,
             });
         }
+        // A retry counts in its own transaction, so that what it reports
+        // matched is what it retried from.
         let mut tx = self.begin().await?;
+        let matched = to_u64(count.fetch_one(&mut *tx).await?, "count")?;
         let rows = sqlx::query(concat!(
             "SELECT * FROM jobs WHERE ",
             replay_filter!(),
@@ -1520,8 +1521,8 @@ mod tests {
         panic!("the log kept {} bytes", size());
     }
 
-    /// A bulk retry's count (and a dry run) reads on the read pool: it
-    /// does not wait for the one writer, which another transaction holds.
+    /// A bulk retry's dry run counts on the read pool: it does not wait for
+    /// the one writer, which another transaction holds.
     #[tokio::test]
     async fn a_dry_run_retry_does_not_wait_for_the_writer() {
         let dir = tempfile::tempdir().expect("dir");

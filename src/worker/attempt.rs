@@ -251,9 +251,14 @@ async fn complete(
                 })
         } else {
             let mut request = tonic::Request::new(item);
-            // A hung call must not hold a next job back past the limit.
+            // A hung call must not hold a next job back past the limit, nor
+            // a worker told to stop now.
             let left = give_up.saturating_duration_since(Instant::now());
-            request.set_timeout(left.clamp(LAST_CALL_TIMEOUT, CALL_TIMEOUT));
+            request.set_timeout(if shared.forced.is_cancelled() {
+                LAST_CALL_TIMEOUT
+            } else {
+                left.clamp(LAST_CALL_TIMEOUT, CALL_TIMEOUT)
+            });
             let mut client = shared.client.clone();
             client.complete(request).await.map(|_| None)
         };
