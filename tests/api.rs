@@ -1939,6 +1939,14 @@ async fn a_reaper_batch_of_unreadable_rows_does_not_stall_it(backend: Backend) {
     server.stop().await;
 }
 
+/// Changes a job row behind the server's back so that it no longer parses
+/// (its labels become a list).
+async fn mangle_row(server: &TestServer, id: &str) {
+    let sql =
+        "UPDATE jobs SET labels = '[1]' WHERE CAST(id AS TEXT) = $1 RETURNING CAST(1 AS BIGINT)";
+    db_integers(server.backend, &server.settings.database_url, sql, &[id]).await;
+}
+
 /// A batch call that meets a row that no longer parses answers its other
 /// items: `CompleteBatch` applies the other outcome, `SubmitBatch` stores
 /// the other job (once) when an item's idempotency key is held by such a
@@ -1947,13 +1955,6 @@ async fn an_unreadable_row_fails_only_its_own_batch_item(backend: Backend) {
     let server = TestServer::start(backend).await;
     let mut jobs = server.jobs_client("t");
     let mut workers = server.workers_client("t");
-    let corrupt = |id: String| {
-        let url = server.settings.database_url.clone();
-        async move {
-            let sql = "UPDATE jobs SET labels = '[1]' WHERE CAST(id AS TEXT) = $1 RETURNING CAST(1 AS BIGINT)";
-            db_integers(server.backend, &url, sql, &[&id]).await;
-        }
-    };
     let bad = submit(&mut jobs, "q", "k", json!({})).await;
     let good = submit(&mut jobs, "q", "k", json!({})).await;
     let leased = workers
@@ -1963,7 +1964,7 @@ async fn an_unreadable_row_fails_only_its_own_batch_item(backend: Backend) {
         .into_inner()
         .jobs;
     assert_eq!(leased.len(), 2);
-    corrupt(bad.id.clone()).await;
+    mangle_row(&server, &bad.id).await;
     let items = leased
         .iter()
         .map(|l| success_req(l, json!("done")))
@@ -1992,7 +1993,7 @@ async fn an_unreadable_row_fails_only_its_own_batch_item(backend: Backend) {
         .await
         .expect("Submit")
         .into_inner();
-    corrupt(holder.job.expect("job").id).await;
+    mangle_row(&server, &holder.job.expect("job").id).await;
     let answered = jobs
         .submit_batch(pb::SubmitBatchRequest {
             jobs: vec![submit_req("q2", "k", json!({"n": 1})), keyed],
@@ -2033,13 +2034,6 @@ async fn unreadable_rows_are_set_aside(backend: Backend) {
     .await;
     let mut jobs = server.jobs_client("t");
     let mut workers = server.workers_client("t");
-    let corrupt = |id: String| {
-        let url = server.settings.database_url.clone();
-        async move {
-            let sql = "UPDATE jobs SET labels = '[1]' WHERE CAST(id AS TEXT) = $1 RETURNING CAST(1 AS BIGINT)";
-            db_integers(server.backend, &url, sql, &[&id]).await;
-        }
-    };
 
     // The reaper: two expired leases, one unreadable.
     let bad_running = submit(&mut jobs, "reaped", "k", json!({})).await;
@@ -2051,7 +2045,7 @@ async fn unreadable_rows_are_set_aside(backend: Backend) {
         .into_inner()
         .jobs;
     assert_eq!(leased.len(), 2);
-    corrupt(bad_running.id.clone()).await;
+    mangle_row(&server, &bad_running.id).await;
     let back = wait_for_state(
         &mut jobs,
         &good_running.id,
@@ -2067,7 +2061,7 @@ async fn unreadable_rows_are_set_aside(backend: Backend) {
     // The claim: an unreadable job at the head of the queue.
     let bad_queued = submit(&mut jobs, "claimed", "k", json!({})).await;
     let good_queued = submit(&mut jobs, "claimed", "k", json!({})).await;
-    corrupt(bad_queued.id.clone()).await;
+    mangle_row(&server, &bad_queued.id).await;
     let got = lease_now(&mut workers, "w", "claimed").await;
     let ids: Vec<&str> = got.iter().map(|j| j.job_id.as_str()).collect();
     assert_eq!(
