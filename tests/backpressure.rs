@@ -353,10 +353,7 @@ async fn counts_follow_concurrent_transitions(backend: Backend) {
     const PRODUCERS: usize = 4;
     const PER_PRODUCER: usize = 40;
     const WORKERS: usize = 6;
-    let server = TestServer::start_with(backend, |s| {
-        s.reaper_interval = Duration::from_millis(100);
-    })
-    .await;
+    let server = TestServer::start_reaping_fast(backend).await;
     let replica = match backend {
         Backend::Postgres => Some(server.start_replica().await),
         Backend::Sqlite => None,

@@ -291,10 +291,7 @@ async fn python_unreported_outcome_holds_the_next_job_back_a_third_of_a_lease(ba
     let env = tokio::task::spawn_blocking(python_env)
         .await
         .expect("Python setup");
-    let server = TestServer::start_with(backend, |s| {
-        s.reaper_interval = Duration::from_millis(100);
-    })
-    .await;
+    let server = TestServer::start_reaping_fast(backend).await;
     let mut jobs = server.jobs_client(TENANT);
     let first = submit(&mut jobs, "py", "sleep", json!({"seconds": 1})).await;
     let next = submit(&mut jobs, "py", "sleep", json!({"seconds": 1})).await;
@@ -320,10 +317,7 @@ async fn python_a_hung_heartbeat_stops_the_job_within_its_lease(backend: Backend
     let env = tokio::task::spawn_blocking(python_env)
         .await
         .expect("Python setup");
-    let server = TestServer::start_with(backend, |s| {
-        s.reaper_interval = Duration::from_millis(100);
-    })
-    .await;
+    let server = TestServer::start_reaping_fast(backend).await;
     let mut jobs = server.jobs_client(TENANT);
     let (addr, calls) = proxy::start(&server, TENANT, Fault::HeartbeatsHang).await;
     let mut worker = start_worker(env, &addr, 3);

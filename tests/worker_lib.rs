@@ -195,10 +195,7 @@ async fn a_server_without_complete_and_lease_gets_plain_completes(backend: Backe
 /// handler (the reaper runs every 100 ms here) and run a second time.
 async fn an_unreported_outcome_holds_the_next_job_back_a_third_of_a_lease(backend: Backend) {
     const LEASE: Duration = Duration::from_secs(6);
-    let server = TestServer::start_with(backend, |s| {
-        s.reaper_interval = Duration::from_millis(100);
-    })
-    .await;
+    let server = TestServer::start_reaping_fast(backend).await;
     let mut jobs = server.jobs_client(TENANT);
     let first = submit(&mut jobs, "q", "slow", json!({})).await;
     let next = submit(&mut jobs, "q", "slow", json!({})).await;
@@ -230,10 +227,7 @@ async fn an_unreported_outcome_holds_the_next_job_back_a_third_of_a_lease(backen
 /// under a 3 s lease, with a reaper every 100 ms, succeeds on its first
 /// attempt.
 async fn heartbeats_ride_out_a_blip(backend: Backend) {
-    let server = TestServer::start_with(backend, |s| {
-        s.reaper_interval = Duration::from_millis(100);
-    })
-    .await;
+    let server = TestServer::start_reaping_fast(backend).await;
     let mut jobs = server.jobs_client(TENANT);
     let job = submit(&mut jobs, "q", "slow", json!({})).await;
     let (addr, calls) = proxy::start(&server, TENANT, Fault::HeartbeatsUnavailable(2)).await;
@@ -262,10 +256,7 @@ async fn heartbeats_ride_out_a_blip(backend: Backend) {
 /// handler's token fires then, not a whole call timeout (10 s) later, while
 /// the reaper may already have handed the job to another worker.
 async fn a_hung_heartbeat_stops_the_handler_within_its_lease(backend: Backend) {
-    let server = TestServer::start_with(backend, |s| {
-        s.reaper_interval = Duration::from_millis(100);
-    })
-    .await;
+    let server = TestServer::start_reaping_fast(backend).await;
     let mut jobs = server.jobs_client(TENANT);
     let (addr, calls) = proxy::start(&server, TENANT, Fault::HeartbeatsHang).await;
     let (tx, mut rx) = mpsc::unbounded_channel();
@@ -467,10 +458,7 @@ async fn cancellation_reaches_handler_within_one_heartbeat(backend: Backend) {
 }
 
 async fn lost_lease_fires_token(backend: Backend) {
-    let server = TestServer::start_with(backend, |s| {
-        s.reaper_interval = Duration::from_millis(100);
-    })
-    .await;
+    let server = TestServer::start_reaping_fast(backend).await;
     let mut jobs = server.jobs_client(TENANT);
     let (tx, mut rx) = mpsc::unbounded_channel();
     // Heartbeats less often than the lease lasts: the reaper takes it back.

@@ -200,22 +200,19 @@ impl JobService for JobsApi {
             Vec::with_capacity(jobs.len());
         let mut valid = Vec::new();
         for (i, job) in jobs.into_iter().enumerate() {
-            let new = match self.validate_submit(job, false) {
-                Ok(new) => new,
-                Err(mut err) => {
-                    err.field = format!("jobs[{i}].{}", err.field);
-                    answers.push(Some(pb::submit_batch_result::Result::Error(item_error(
-                        err,
-                    ))));
-                    continue;
-                }
+            let admitted = match self.validate_submit(job, false) {
+                Ok(new) => self
+                    .admit(&tenant, &new)
+                    .await
+                    .map(|original| (new, original)),
+                Err(invalid) => Err(invalid.into()),
             };
-            match self.admit(&tenant, &new).await {
-                Ok(None) => {
+            match admitted {
+                Ok((new, None)) => {
                     valid.push(new);
                     answers.push(None);
                 }
-                Ok(Some(original)) => answers.push(Some(pb::submit_batch_result::Result::Ok(
+                Ok((_, Some(original))) => answers.push(Some(pb::submit_batch_result::Result::Ok(
                     pb::SubmitResponse {
                         job: Some(convert::job(&original)),
                         created: false,

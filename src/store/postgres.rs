@@ -26,7 +26,7 @@ use super::pg_caps;
 use super::pg_counts::Counts;
 use super::pg_hot::HotPool;
 use super::pg_leased::{Beat, Leased};
-use super::unreadable::{RECHECK_CHUNK, RowKey, Unreadable};
+use super::unreadable::{self, RECHECK_CHUNK, RowKey, Unreadable};
 use super::{
     Ended, Grouped, JobGroup, QueueDepth, QueueStatsBuilder, Reaped, Retried, RunningCaps, Stats,
     Store, StoreError, StoreResult, Submitted,
@@ -728,7 +728,7 @@ impl CompleteRead {
             .fetch_all(conn)
             .await?;
         let mut read = CompleteRead::empty(rows.len());
-        let (readable, left_out) = unreadable.split_readable(
+        let (readable, left_out) = unreadable.readable_by_id(
             &rows,
             |row| {
                 let versioned: (Job, String, bool) = (
@@ -747,10 +747,7 @@ impl CompleteRead {
             read.versions.insert(job.id, version);
             read.jobs.insert(job.id, job);
         }
-        read.unreadable = left_out
-            .iter()
-            .filter_map(|key| Uuid::parse_str(&key.id).ok())
-            .collect();
+        read.unreadable = left_out;
         Ok(read)
     }
 }
@@ -1521,9 +1518,7 @@ impl PgStore {
                 results.push(Err(if ended_ids.contains(&item.job_id) {
                     StoreError::LeaseLost
                 } else if read.unreadable.contains(&item.job_id) {
-                    StoreError::Internal(
-                        "the job's row cannot be read; an operator must mend or delete it".into(),
-                    )
+                    unreadable::refused()
                 } else {
                     StoreError::NotFound
                 }));
@@ -1588,18 +1583,9 @@ impl PgStore {
             let Some(key) = row.try_get::<Option<String>, _>("idempotency_key")? else {
                 continue;
             };
-            // Logged and counted as every row that cannot be read is.
             let holder = self
                 .unreadable
-                .readable(std::slice::from_ref(row), job_from_row, row_key, "submit")
-                .pop()
-                .map(|(_, job)| job)
-                .ok_or_else(|| {
-                    StoreError::Internal(
-                        "the job holding this idempotency key cannot be read; an operator must mend or delete it"
-                            .into(),
-                    )
-                });
+                .read_one(row, job_from_row, row_key, "submit");
             holders.insert(key, holder);
         }
         Ok(holders)

@@ -7,7 +7,7 @@
 //! durable before the caller hears about it. Timestamps are Unix milliseconds
 //! of this process's clock, which is the only clock that writes this file.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -526,15 +526,12 @@ impl SqliteStore {
             if let Some(row) = existing {
                 // A holder that cannot be read fails only this item; its
                 // neighbours in the batch still commit.
-                let holder = [row];
-                let Some((_, job)) = self
+                let job = match self
                     .unreadable
-                    .readable(&holder, job_from_row, row_key, "submit")
-                    .pop()
-                else {
-                    return Ok(Err(StoreError::Internal(
-                        "the job holding this idempotency key cannot be read; an operator must mend or delete it".into(),
-                    )));
+                    .read_one(&row, job_from_row, row_key, "submit")
+                {
+                    Ok(job) => job,
+                    Err(refused) => return Ok(Err(refused)),
                 };
                 if job.input_hash != new.input_hash {
                     return Ok(Err(StoreError::IdempotencyConflict));
@@ -1238,17 +1235,13 @@ impl Store for SqliteStore {
         let mut has_breaker = false;
         let mut jobs: HashMap<Uuid, Job> = HashMap::with_capacity(rows.len());
         // A row that cannot be read refuses only its own outcome.
-        let (readable, left_out) =
+        let (readable, unreadable) =
             self.unreadable
-                .split_readable(&rows, job_from_row, row_key, "complete");
+                .readable_by_id(&rows, job_from_row, row_key, "complete");
         for (row, job) in readable {
             has_breaker |= row.try_get::<bool, _>("has_breaker")?;
             jobs.insert(job.id, job);
         }
-        let unreadable: HashSet<Uuid> = left_out
-            .iter()
-            .filter_map(|key| Uuid::parse_str(&key.id).ok())
-            .collect();
         // Without a breaker on any of the jobs and without a failure in
         // the batch, no outcome can change a breaker (as on PostgreSQL).
         let breakers = self.breaker.threshold > 0
@@ -1261,9 +1254,7 @@ impl Store for SqliteStore {
         for item in items {
             let Some(job) = jobs.get_mut(&item.job_id) else {
                 results.push(Err(if unreadable.contains(&item.job_id) {
-                    StoreError::Internal(
-                        "the job's row cannot be read; an operator must mend or delete it".into(),
-                    )
+                    super::unreadable::refused()
                 } else {
                     StoreError::NotFound
                 }));
@@ -1464,6 +1455,7 @@ mod tests {
     use super::*;
     use crate::domain::fixtures::new_job;
 
+    /// A store on a new file in `dir`, and the file's path.
     async fn scratch_store(dir: &tempfile::TempDir) -> (SqliteStore, std::path::PathBuf) {
         let path = dir.path().join("jobs.db");
         let url = format!("sqlite://{}", path.display());
@@ -1560,10 +1552,7 @@ mod tests {
     #[tokio::test]
     async fn a_mended_row_set_aside_by_the_reaper_is_let_back_in() {
         let dir = tempfile::tempdir().expect("dir");
-        let url = format!("sqlite://{}", dir.path().join("jobs.db").display());
-        let store = SqliteStore::open(&Settings::new(&url), Arc::new(Notifier::new()))
-            .await
-            .expect("open");
+        let (store, _) = scratch_store(&dir).await;
         let id = crate::store::a_briefly_leased_job(&store).await.to_string();
         let set_labels = |labels: &'static str| {
             sqlx::query("UPDATE jobs SET labels = ?1 WHERE id = ?2")

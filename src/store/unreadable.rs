@@ -24,7 +24,9 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use super::StoreResult;
+use uuid::Uuid;
+
+use super::{StoreError, StoreResult};
 
 /// How often the rows set aside are read again.
 const RECHECK_EVERY: Duration = Duration::from_secs(60);
@@ -35,6 +37,12 @@ const MAX_SET_ASIDE: usize = 2_000;
 /// Rows read per statement when the rows set aside are read again: each is
 /// read whole, payload and all.
 pub const RECHECK_CHUNK: usize = 100;
+
+/// The answer to an item whose job row cannot be read: the item alone is
+/// refused, its neighbours in the batch are answered.
+pub fn refused() -> StoreError {
+    StoreError::Internal("the job's row cannot be read; an operator must mend or delete it".into())
+}
 
 /// The jobs read from rows, each with its row.
 type Readable<'r, R, T> = Vec<(&'r R, T)>;
@@ -77,8 +85,40 @@ impl Unreadable {
         self.split_readable(rows, read, key, during).0
     }
 
+    /// [`Self::readable`] of one row, for the one item it answers: its job,
+    /// or [`refused`] when it cannot be read.
+    pub fn read_one<R, T>(
+        &self,
+        row: &R,
+        read: impl Fn(&R) -> StoreResult<T>,
+        key: impl Fn(&R) -> Option<RowKey>,
+        during: &str,
+    ) -> StoreResult<T> {
+        self.readable(std::slice::from_ref(row), read, key, during)
+            .pop()
+            .map(|(_, job)| job)
+            .ok_or_else(refused)
+    }
+
+    /// [`Self::readable`], and the ids of the jobs whose rows were left
+    /// out: a batch refuses their items alone ([`refused`]).
+    pub fn readable_by_id<'r, R, T>(
+        &self,
+        rows: &'r [R],
+        read: impl Fn(&R) -> StoreResult<T>,
+        key: impl Fn(&R) -> Option<RowKey>,
+        during: &str,
+    ) -> (Readable<'r, R, T>, HashSet<Uuid>) {
+        let (jobs, left_out) = self.split_readable(rows, read, key, during);
+        let ids = left_out
+            .iter()
+            .filter_map(|key| Uuid::parse_str(&key.id).ok())
+            .collect();
+        (jobs, ids)
+    }
+
     /// [`Self::readable`], and the keys of the rows left out.
-    pub fn split_readable<'r, R, T>(
+    fn split_readable<'r, R, T>(
         &self,
         rows: &'r [R],
         read: impl Fn(&R) -> StoreResult<T>,

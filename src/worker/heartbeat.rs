@@ -86,15 +86,11 @@ pub(crate) async fn keep_alive(
             }
             Err(status) => {
                 let now = Instant::now();
-                if now >= held_until {
-                    tracing::warn!(job_id = %leased.job_id, code = ?status.code(), "no heartbeat got through for a whole lease; treating it as lost");
-                    ctx.cancel(CancelReason::LeaseLost);
-                    return;
-                }
                 let delay = retry.next_delay();
                 tracing::warn!(job_id = %leased.job_id, code = ?status.code(), message = status.message(), retry_in = ?delay, "heartbeat failed");
                 // The last try leaves a tenth of the lease for its answer;
-                // after it, only the lease's end is left to wait for.
+                // after it, only the lease's end is left to wait for (then
+                // the lease counts as lost, above).
                 let last_try = held_until - (config.lease_duration / 10).min(LAST_TRY_BEFORE);
                 next = if now >= last_try {
                     held_until

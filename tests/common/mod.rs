@@ -244,6 +244,12 @@ impl TestServer {
         Self::launch(backend, settings, db).await
     }
 
+    /// A server whose reaper runs every 100 ms: a lease that runs out is
+    /// taken back (and its job handed on) at once.
+    pub async fn start_reaping_fast(backend: Backend) -> TestServer {
+        Self::start_with(backend, |s| s.reaper_interval = Duration::from_millis(100)).await
+    }
+
     /// A second server (replica) on the same database with the same settings.
     pub async fn start_replica(&self) -> TestServer {
         Self::launch(self.backend, self.settings.clone(), self.db.clone()).await
