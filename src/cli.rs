@@ -279,6 +279,12 @@ pub struct ServeArgs {
     #[arg(long, env = "INTRAY_WEBHOOK_BACKOFF_MAX", default_value = "1h", value_parser = duration)]
     pub webhook_backoff_max: Duration,
 
+    /// Most callback attempts one replica has in flight at one receiver
+    /// (host:port), out of its 32: receivers that never answer hold no
+    /// more slots than this each.
+    #[arg(long, env = "INTRAY_WEBHOOK_RECEIVER_LIMIT", default_value_t = 8)]
+    pub webhook_receiver_limit: usize,
+
     /// PEM CA certificates for https callbacks (default: SSL_CERT_FILE, else
     /// /etc/ssl/certs/ca-certificates.crt).
     #[arg(long, env = "INTRAY_WEBHOOK_CA_FILE", value_name = "PATH")]
@@ -387,6 +393,13 @@ impl ServeArgs {
         s.webhooks.backoff =
             crate::domain::Backoff::try_new(self.webhook_backoff_initial, self.webhook_backoff_max)
                 .map_err(|e| format!("--webhook-backoff-{e}"))?;
+        let slots = crate::engine::webhooks::IN_FLIGHT;
+        if !(1..=slots).contains(&self.webhook_receiver_limit) {
+            return Err(format!(
+                "--webhook-receiver-limit must be between 1 and {slots}"
+            ));
+        }
+        s.webhooks.per_receiver = self.webhook_receiver_limit;
         s.webhooks.max_body_bytes = self.webhook_max_body_bytes;
         s.webhooks.ca_file = self.webhook_ca_file.clone();
         if let Some(path) = &self.webhooks_file {

@@ -63,6 +63,7 @@ common::backend_tests!(
     the_webhooks_file_is_reloaded_while_serving,
     a_lapsed_claims_record_leaves_the_later_claims,
     a_receiver_that_never_answers_holds_up_only_its_own_callbacks,
+    a_claim_takes_no_more_per_receiver_than_it_has_room_for,
     retention_keeps_a_job_until_its_callback_is_delivered,
 );
 
@@ -988,11 +989,84 @@ async fn the_webhooks_file_is_reloaded_while_serving(backend: Backend) {
     server.stop().await;
 }
 
+/// A claim takes no more of a receiver's deliveries than the replica has
+/// room for at that receiver, counting those it has in flight; the
+/// receiver is the URL's `host:port`, whatever its path, query or
+/// fragment, and both stores name it alike.
+async fn a_claim_takes_no_more_per_receiver_than_it_has_room_for(backend: Backend) {
+    use intray::store::outbox::ReceiverLoad;
+    let server = TestServer::start_with(backend, |s| {
+        webhook_settings(s);
+        s.webhooks.poll = Duration::from_secs(3600);
+    })
+    .await;
+    let mut jobs = server.jobs_client(TENANT);
+    let busy = [
+        "http://127.0.0.1:9/a",
+        "http://127.0.0.1:9?job=2",
+        "http://127.0.0.1:9#3",
+        "http://127.0.0.1:9/b/c?d#e",
+    ];
+    let quiet = ["http://127.0.0.1:10/", "http://127.0.0.1:10/x"];
+    for url in busy.iter().chain(&quiet) {
+        let mut r = submit_req("receivers", "k", json!({}));
+        r.callback_url = (*url).into();
+        let job = submit_with(&mut jobs, r).await;
+        jobs.cancel(pb::CancelJobRequest {
+            id: job.id,
+            reason: String::new(),
+        })
+        .await
+        .expect("Cancel");
+    }
+    let store = intray::store::open(
+        &server.settings,
+        Arc::new(intray::engine::notifier::Notifier::new()),
+    )
+    .await
+    .expect("open the store");
+    let outbox = store.outbox();
+    let in_flight = HashMap::from([("127.0.0.1:9".to_string(), 1)]);
+    let load = ReceiverLoad {
+        per_receiver: 3,
+        in_flight: &in_flight,
+    };
+    let claimed = outbox
+        .claim_due(32, Duration::from_secs(60), load)
+        .await
+        .expect("claim");
+    let mut by_receiver: HashMap<String, usize> = HashMap::new();
+    for c in &claimed {
+        *by_receiver.entry(c.receiver.clone()).or_default() += 1;
+    }
+    assert_eq!(
+        by_receiver,
+        HashMap::from([
+            ("127.0.0.1:9".to_string(), 2),
+            ("127.0.0.1:10".to_string(), 2)
+        ]),
+        "two more for the receiver with one in flight (of 3), both of the other's"
+    );
+    let full = HashMap::from([("127.0.0.1:9".to_string(), 3)]);
+    let load = ReceiverLoad {
+        per_receiver: 3,
+        in_flight: &full,
+    };
+    let again = outbox
+        .claim_due(32, Duration::from_secs(60), load)
+        .await
+        .expect("claim again");
+    assert!(again.is_empty(), "the receiver is full: {again:?}");
+    drop(outbox);
+    drop(store);
+    server.stop().await;
+}
+
 /// A replica whose record of an attempt comes after its claim's hold ran
 /// out, when another pass has claimed the row and recorded its own
 /// attempt, changes nothing: the delivery stays as the later claim left it.
 async fn a_lapsed_claims_record_leaves_the_later_claims(backend: Backend) {
-    use intray::store::outbox::Attempted;
+    use intray::store::outbox::{Attempted, ReceiverLoad};
     // The server's own dispatcher makes its first pass at start and the
     // next an hour later: the outbox here is the test's alone.
     let server = TestServer::start_with(backend, |s| {
@@ -1015,8 +1089,13 @@ async fn a_lapsed_claims_record_leaves_the_later_claims(backend: Backend) {
     .await
     .expect("open the store");
     let outbox = store.outbox();
+    let idle = HashMap::new();
+    let load = ReceiverLoad {
+        per_receiver: 8,
+        in_flight: &idle,
+    };
     let first = outbox
-        .claim_due(10, Duration::ZERO)
+        .claim_due(10, Duration::ZERO, load)
         .await
         .expect("claim")
         .pop()
@@ -1024,7 +1103,7 @@ async fn a_lapsed_claims_record_leaves_the_later_claims(backend: Backend) {
     // Past the first claim's (empty) hold, in the stores' resolution.
     tokio::time::sleep(Duration::from_millis(20)).await;
     let second = outbox
-        .claim_due(10, Duration::from_secs(60))
+        .claim_due(10, Duration::from_secs(60), load)
         .await
         .expect("claim again")
         .pop()
@@ -1060,21 +1139,25 @@ async fn a_lapsed_claims_record_leaves_the_later_claims(backend: Backend) {
 }
 
 /// A receiver that accepts connections and never answers holds only its
-/// own deliveries' slots for their timeout (3 s here): another receiver's
-/// callback, due meanwhile, arrives at once. When the dispatcher waited
-/// for a whole claimed batch before claiming again, it waited out the
-/// silent receiver's timeout first.
+/// own share of the slots (8 of 32) for their timeout (3 s here), however
+/// many of its callbacks are due: another receiver's callback, due
+/// meanwhile, arrives at once. When the dispatcher waited for a whole
+/// claimed batch before claiming again, it waited out the silent
+/// receiver's timeout first; with no limit per receiver, 32 of its 40
+/// callbacks took every slot.
 async fn a_receiver_that_never_answers_holds_up_only_its_own_callbacks(backend: Backend) {
+    const PER_RECEIVER: usize = 8;
     let server = TestServer::start_with(backend, |s| {
         webhook_settings(s);
         s.webhooks.timeout = Duration::from_secs(3);
+        s.webhooks.per_receiver = PER_RECEIVER;
     })
     .await;
     let mut jobs = server.jobs_client(TENANT);
     let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind the silent receiver");
-    let silent_url = format!("http://{}/", silent.local_addr().expect("its address"));
+    let silent_addr = silent.local_addr().expect("its address");
     let (held_tx, mut held) = tokio::sync::mpsc::unbounded_channel();
     tokio::spawn(async move {
         let mut open = Vec::new();
@@ -1083,10 +1166,12 @@ async fn a_receiver_that_never_answers_holds_up_only_its_own_callbacks(backend: 
             let _ = held_tx.send(());
         }
     });
-    // Cancelled while queued: terminal at once, a callback each.
-    for _ in 0..5 {
+    // More callbacks due at once than a replica has slots (32), each URL
+    // different but all one receiver. Cancelled while queued: terminal at
+    // once, a callback each.
+    for i in 0..40 {
         let mut r = submit_req("silent", "k", json!({}));
-        r.callback_url = silent_url.clone();
+        r.callback_url = format!("http://{silent_addr}/hook?job={i}");
         let job = submit_with(&mut jobs, r).await;
         jobs.cancel(pb::CancelJobRequest {
             id: job.id,
@@ -1098,6 +1183,16 @@ async fn a_receiver_that_never_answers_holds_up_only_its_own_callbacks(backend: 
     within(LONG, "the silent receiver's first connection", held.recv())
         .await
         .expect("a delivery to the silent receiver started");
+    // Within the attempts' 3 s timeout, no more than its share connect.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut connections = 1;
+    while held.try_recv().is_ok() {
+        connections += 1;
+    }
+    assert_eq!(
+        connections, PER_RECEIVER,
+        "attempts in flight at the silent receiver"
+    );
 
     let answering = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
@@ -1120,7 +1215,7 @@ async fn a_receiver_that_never_answers_holds_up_only_its_own_callbacks(backend: 
         .expect("the callback arrived");
     let took = at.duration_since(finished);
     assert!(
-        took < Duration::from_secs(2),
+        took < Duration::from_secs(1),
         "the callback waited {took:?}, behind the silent receiver's 3 s timeout"
     );
     server.stop().await;

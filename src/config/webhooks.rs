@@ -144,6 +144,9 @@ pub struct WebhookSettings {
     pub backoff: Backoff,
     /// How often the dispatcher looks for due deliveries when idle.
     pub poll: Duration,
+    /// Most callback attempts one replica has in flight at one receiver
+    /// (`host:port`), out of its 32.
+    pub per_receiver: usize,
     /// Largest ingress body.
     pub max_body_bytes: usize,
     /// PEM CA certificates that `https` callbacks are checked against;
@@ -163,6 +166,7 @@ impl Default for WebhookSettings {
                 Err(_) => unreachable!("1s..1h is a valid backoff"),
             },
             poll: Duration::from_secs(1),
+            per_receiver: 8,
             max_body_bytes: 256 * 1024,
             ca_file: None,
         }

@@ -9,6 +9,7 @@
 //! before recording it leaves the row to be claimed again, and the receiver
 //! dedupes by `webhook-id`.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -33,12 +34,12 @@ use crate::config::webhook_source::WebhookKeysSource;
 use crate::config::webhooks::WebhookSettings;
 use crate::domain::webhook::{self, AddressPolicy, AfterFailure, Target};
 use crate::domain::{Backoff, Job};
-use crate::store::outbox::{Attempted, Claimed, Delivery, Outbox};
+use crate::store::outbox::{Attempted, Claimed, Delivery, Outbox, ReceiverLoad};
 use crate::store::{Store, StoreError};
 use crate::telemetry::Metrics;
 
 /// Deliveries in flight at a time, per replica.
-const IN_FLIGHT: usize = 32;
+pub const IN_FLIGHT: usize = 32;
 /// How often terminal jobs without a delivery row are looked for.
 const SWEEP_EVERY: Duration = Duration::from_secs(60);
 /// CA bundle of `https` callbacks when neither the settings nor
@@ -77,6 +78,7 @@ struct Timings {
     retry_window: Duration,
     backoff: Backoff,
     poll: Duration,
+    per_receiver: u32,
 }
 
 /// The dispatcher of one replica.
@@ -124,6 +126,7 @@ impl Dispatcher {
                 retry_window: settings.retry_window,
                 backoff: settings.backoff,
                 poll: settings.poll,
+                per_receiver: u32::try_from(settings.per_receiver).unwrap_or(u32::MAX),
             },
             keys,
             metrics,
@@ -133,11 +136,12 @@ impl Dispatcher {
 
     /// Delivers until `stop` fires, then waits for the attempts in flight
     /// (each at most `timeout`). Up to [`IN_FLIGHT`] attempts run at once,
-    /// each on its own: while more rows are due, the free slots are filled
+    /// each on its own, and at most `per_receiver` of them at one receiver
+    /// (`host:port`): while more rows are due, the free slots are filled
     /// once half of them are free (one claim per few deliveries, not one
-    /// each), and at every `poll`. One receiver that never answers holds
-    /// only its own slots for its timeout, not everyone's callbacks behind
-    /// a batch. A reconciliation sweep runs every minute.
+    /// each), and at every `poll`. So receivers that never answer hold
+    /// only their own slots for their timeout, never everyone's callbacks.
+    /// A reconciliation sweep runs every minute.
     pub async fn run(self: Arc<Self>, stop: CancellationToken) {
         let mut ticker = tokio::time::interval(self.timings.poll);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -145,6 +149,10 @@ impl Dispatcher {
         // A claimed row comes back after this if this replica dies mid-send.
         let hold = self.timings.timeout + Duration::from_secs(30);
         let mut in_flight = JoinSet::new();
+        // Each attempt's receiver, by its task: the count is given back
+        // even by an attempt that panicked.
+        let mut receiver_of: HashMap<tokio::task::Id, String> = HashMap::new();
+        let mut at_receiver: HashMap<String, u32> = HashMap::new();
         // Whether the last claim filled the free slots: more may be due.
         let mut more_due = false;
         loop {
@@ -153,7 +161,16 @@ impl Dispatcher {
                 biased;
                 () = stop.cancelled() => break,
                 _ = ticker.tick() => true,
-                Some(_) = in_flight.join_next(), if !in_flight.is_empty() => false,
+                Some(done) = in_flight.join_next_with_id(), if !in_flight.is_empty() => {
+                    let id = match done {
+                        Ok((id, ())) => id,
+                        Err(err) => err.id(),
+                    };
+                    if let Some(receiver) = receiver_of.remove(&id) {
+                        release(&mut at_receiver, &receiver);
+                    }
+                    false
+                }
             };
             more_due |= ticked;
             if swept_at.is_none_or(|t| t.elapsed() >= SWEEP_EVERY) {
@@ -169,12 +186,19 @@ impl Dispatcher {
                 continue;
             }
             let claimed = u32::try_from(free).unwrap_or(u32::MAX);
-            match self.outbox.claim_due(claimed, hold).await {
+            let load = ReceiverLoad {
+                per_receiver: self.timings.per_receiver,
+                in_flight: &at_receiver,
+            };
+            match self.outbox.claim_due(claimed, hold, load).await {
                 Ok(due) => {
                     more_due = due.len() == free;
                     for delivery in due {
+                        *at_receiver.entry(delivery.receiver.clone()).or_default() += 1;
+                        let receiver = delivery.receiver.clone();
                         let this = Arc::clone(&self);
-                        in_flight.spawn(async move { this.deliver(delivery).await });
+                        let task = in_flight.spawn(async move { this.deliver(delivery).await });
+                        receiver_of.insert(task.id(), receiver);
                     }
                 }
                 Err(err) => {
@@ -356,6 +380,16 @@ impl Dispatcher {
             .ok_or_else(|| {
                 SendError::Permanent(format!("{} resolves to no allowed address", target.host))
             })
+    }
+}
+
+/// One attempt at `receiver` has ended.
+fn release(at_receiver: &mut HashMap<String, u32>, receiver: &str) {
+    if let Some(n) = at_receiver.get_mut(receiver) {
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            at_receiver.remove(receiver);
+        }
     }
 }
 

@@ -6,6 +6,7 @@
 //! module only claims, records and lists them, and sweeps up terminal jobs
 //! that have none (jobs finished before the migration).
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -76,6 +77,9 @@ pub struct Delivery {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Claimed {
     pub delivery: Delivery,
+    /// The URL's authority, lower-cased (`host:port`): the receiver whose
+    /// attempts in flight [`ReceiverLoad`] counts.
+    pub receiver: String,
     /// When the hold runs out: the row's next attempt as this claim set it,
     /// which a later claim (after the hold) changes. It names the claim, so
     /// that a record arriving after another replica took the row over is
@@ -124,13 +128,48 @@ impl Attempted {
     }
 }
 
+/// How many attempts one replica may have in flight at each receiver, and
+/// how many it has: a claim takes no more for a receiver than it has room
+/// for, so that a receiver that never answers cannot fill every slot.
+#[derive(Clone, Copy, Debug)]
+pub struct ReceiverLoad<'a> {
+    /// Most attempts in flight at one receiver.
+    pub per_receiver: u32,
+    /// Attempts in flight now, by [`Claimed::receiver`].
+    pub in_flight: &'a HashMap<String, u32>,
+}
+
+impl ReceiverLoad<'_> {
+    /// The receivers with no room left.
+    fn full(&self) -> Vec<&str> {
+        self.in_flight
+            .iter()
+            .filter(|(_, n)| **n >= self.per_receiver)
+            .map(|(r, _)| r.as_str())
+            .collect()
+    }
+}
+
+/// Candidate rows a claim looks at for `limit` deliveries: more than it
+/// takes, so that one receiver's backlog does not hide the others' rows
+/// from a claim (receivers already full are skipped before this).
+fn scan_for(limit: u32) -> i64 {
+    i64::from(limit).saturating_mul(4)
+}
+
 /// Access to the outbox. Claims are safe from several replicas at once.
 #[async_trait]
 pub trait Outbox: Send + Sync + 'static {
-    /// Takes up to `limit` due deliveries and pushes their next attempt
+    /// Takes up to `limit` due deliveries, oldest first and no more per
+    /// receiver than `load` leaves room for, and pushes their next attempt
     /// `hold` ahead, so that a replica that dies while sending leaves them
     /// to be taken again after `hold` (never lost, perhaps sent twice).
-    async fn claim_due(&self, limit: u32, hold: Duration) -> StoreResult<Vec<Claimed>>;
+    async fn claim_due(
+        &self,
+        limit: u32,
+        hold: Duration,
+        load: ReceiverLoad<'_>,
+    ) -> StoreResult<Vec<Claimed>>;
 
     /// Records an attempt of `claimed`; `false` when the claim had lapsed
     /// and the row was claimed again (or recorded) meanwhile, which then
@@ -200,27 +239,59 @@ fn pg_delivery(row: &PgRow) -> StoreResult<Delivery> {
 
 #[async_trait]
 impl Outbox for PgOutbox {
-    async fn claim_due(&self, limit: u32, hold: Duration) -> StoreResult<Vec<Claimed>> {
+    async fn claim_due(
+        &self,
+        limit: u32,
+        hold: Duration,
+        load: ReceiverLoad<'_>,
+    ) -> StoreResult<Vec<Claimed>> {
+        let (busy, counts): (Vec<&str>, Vec<i64>) = load
+            .in_flight
+            .iter()
+            .map(|(r, n)| (r.as_str(), i64::from(*n)))
+            .unzip();
+        // Candidates are locked, the chosen ones pushed forward; the rest
+        // are unlocked at the commit, untouched.
         let rows = sqlx::query(
-            "UPDATE webhook_deliveries d
+            "WITH candidates AS (
+                 SELECT webhook_id, next_attempt_at,
+                        coalesce(lower(substring(url from '^[^:/?#]*://([^/?#]*)')), '') AS receiver
+                 FROM webhook_deliveries
+                 WHERE status = 'pending' AND next_attempt_at <= now()
+                   AND coalesce(lower(substring(url from '^[^:/?#]*://([^/?#]*)')), '') <> ALL($3)
+                 ORDER BY next_attempt_at LIMIT $4
+                 FOR UPDATE SKIP LOCKED),
+             chosen AS (
+                 SELECT c.webhook_id, c.receiver
+                 FROM (SELECT *, row_number() OVER (PARTITION BY receiver
+                                                    ORDER BY next_attempt_at, webhook_id) AS nth
+                       FROM candidates) c
+                 LEFT JOIN unnest($5::text[], $6::int8[]) AS busy(receiver, n)
+                        ON busy.receiver = c.receiver
+                 WHERE c.nth + coalesce(busy.n, 0) <= $7
+                 ORDER BY c.next_attempt_at LIMIT $1)
+             UPDATE webhook_deliveries d
              SET next_attempt_at = now() + $2 * interval '1 millisecond'
-             FROM (SELECT webhook_id FROM webhook_deliveries
-                   WHERE status = 'pending' AND next_attempt_at <= now()
-                   ORDER BY next_attempt_at LIMIT $1
-                   FOR UPDATE SKIP LOCKED) due
-             WHERE d.webhook_id = due.webhook_id
-             RETURNING d.webhook_id, d.job_id, d.tenant, d.sequence, d.event_type, d.url,
-                       d.status, d.attempts, d.created_at, d.last_attempt_at, d.last_status,
-                       d.last_error, d.next_attempt_at",
+             FROM chosen
+             WHERE d.webhook_id = chosen.webhook_id
+             RETURNING chosen.receiver, d.webhook_id, d.job_id, d.tenant, d.sequence,
+                       d.event_type, d.url, d.status, d.attempts, d.created_at,
+                       d.last_attempt_at, d.last_status, d.last_error, d.next_attempt_at",
         )
         .bind(i64::from(limit))
         .bind(millis(hold))
+        .bind(load.full())
+        .bind(scan_for(limit))
+        .bind(busy)
+        .bind(counts)
+        .bind(i64::from(load.per_receiver))
         .fetch_all(&self.pool)
         .await?;
         rows.iter()
             .map(|row| {
                 Ok(Claimed {
                     delivery: pg_delivery(row)?,
+                    receiver: row.try_get("receiver")?,
                     held_until: row.try_get("next_attempt_at")?,
                 })
             })
@@ -298,6 +369,16 @@ impl SqliteOutbox {
     }
 }
 
+/// A delivery's receiver in SQL, as PostgreSQL's claim finds it: the
+/// URL's authority, lower-cased. SQLite has no regular expressions: the
+/// rest after `://`, with `?` and `#` made `/`, up to the first `/`.
+macro_rules! sqlite_receiver {
+    () => {
+        "lower(substr(replace(replace(substr(url, instr(url, '://') + 3) || '/', '?', '/'), '#', '/'), \
+         1, instr(replace(replace(substr(url, instr(url, '://') + 3) || '/', '?', '/'), '#', '/'), '/') - 1))"
+    };
+}
+
 fn from_ms(v: i64, column: &str) -> StoreResult<DateTime<Utc>> {
     DateTime::from_timestamp_millis(v)
         .ok_or_else(|| StoreError::Internal(format!("corrupt value in column {column}")))
@@ -331,25 +412,52 @@ fn now_ms() -> i64 {
 
 #[async_trait]
 impl Outbox for SqliteOutbox {
-    async fn claim_due(&self, limit: u32, hold: Duration) -> StoreResult<Vec<Claimed>> {
+    async fn claim_due(
+        &self,
+        limit: u32,
+        hold: Duration,
+        load: ReceiverLoad<'_>,
+    ) -> StoreResult<Vec<Claimed>> {
         let now = now_ms();
+        let busy = serde_json::to_string(load.in_flight)
+            .map_err(|e| StoreError::Internal(format!("cannot encode the receivers: {e}")))?;
         let rows = sqlx::query(concat!(
-            "UPDATE webhook_deliveries SET next_attempt_at = ?1 + ?3
-             WHERE webhook_id IN (SELECT webhook_id FROM webhook_deliveries
-                                  WHERE status = 'pending' AND next_attempt_at <= ?1
+            "WITH candidates AS (
+                 SELECT webhook_id, next_attempt_at, ",
+            sqlite_receiver!(),
+            " AS receiver
+                 FROM webhook_deliveries
+                 WHERE status = 'pending' AND next_attempt_at <= ?1),
+             ranked AS (
+                 SELECT c.webhook_id, c.next_attempt_at,
+                        row_number() OVER (PARTITION BY c.receiver
+                                           ORDER BY c.next_attempt_at, c.webhook_id)
+                          + coalesce(busy.value, 0) AS nth
+                 FROM (SELECT * FROM candidates
+                       WHERE receiver NOT IN (SELECT key FROM json_each(?4) WHERE value >= ?5)
+                       ORDER BY next_attempt_at LIMIT ?6) c
+                 LEFT JOIN json_each(?4) AS busy ON busy.key = c.receiver)
+             UPDATE webhook_deliveries SET next_attempt_at = ?1 + ?3
+             WHERE webhook_id IN (SELECT webhook_id FROM ranked WHERE nth <= ?5
                                   ORDER BY next_attempt_at LIMIT ?2)
              RETURNING next_attempt_at, ",
+            sqlite_receiver!(),
+            " AS receiver, ",
             columns!()
         ))
         .bind(now)
         .bind(i64::from(limit))
         .bind(millis(hold))
+        .bind(busy)
+        .bind(i64::from(load.per_receiver))
+        .bind(scan_for(limit))
         .fetch_all(&self.writer)
         .await?;
         rows.iter()
             .map(|row| {
                 Ok(Claimed {
                     delivery: sqlite_delivery(row)?,
+                    receiver: row.try_get("receiver")?,
                     held_until: from_ms(row.try_get("next_attempt_at")?, "next_attempt_at")?,
                 })
             })
