@@ -286,6 +286,24 @@ async fn submit_batch_answers_each_item(backend: Backend) {
     http.post("/api/v1/jobs:batch", json!({"jobs": []}))
         .await
         .expect_error(400, "INVALID_ARGUMENT");
+    // Too many items are refused while counting, before any is built (a
+    // 16 MiB body of `{}` items is millions of messages).
+    let too_many = format!("{{\"jobs\": [{}{{}}]}}", "{},".repeat(1000));
+    let refused = http
+        .send("POST", "/api/v1/jobs:batch", Some(too_many))
+        .await
+        .expect_error(400, "INVALID_ARGUMENT");
+    assert_eq!(
+        refused["details"][0]["fieldViolations"][0]["description"],
+        "send at most 1000 items",
+        "{refused}"
+    );
+    let listed = http.get("/api/v1/jobs?queue=b").await.json();
+    assert_eq!(
+        listed["jobs"].as_array().map(Vec::len),
+        Some(1),
+        "nothing more was stored"
+    );
     server.stop().await;
 }
 
@@ -631,7 +649,23 @@ async fn stats_and_pause_resume(backend: Backend) {
             .await
             .expect_error(403, "PERMISSION_DENIED");
     }
+    // To a plain-http address a browser sends no Sec-Fetch-Site, but an
+    // Origin with every cross-origin post: it must be the server's own.
+    let lan = Http::new(&server).host("192.168.1.5:8080");
+    for origin in ["http://evil.example", "null", "http://192.168.1.5:8081"] {
+        lan.clone()
+            .with("origin", origin)
+            .post("/api/v1/queues/s:pause", json!({}))
+            .await
+            .expect_error(403, "PERMISSION_DENIED");
+    }
     assert!(queue_stats(&http.get("/api/v1/stats").await.json(), "s")["paused"].is_null());
+    let own = lan
+        .clone()
+        .with("origin", "http://192.168.1.5:8080")
+        .post("/api/v1/queues/s:pause", json!({}))
+        .await;
+    assert_eq!(own.status, 200, "a post from the server's own page passes");
     let own = http
         .clone()
         .with("sec-fetch-site", "same-origin")
@@ -808,6 +842,23 @@ async fn authentication_and_roles(backend: Backend) {
     let missing = anonymous.get("/api/v1/stats").await;
     missing.expect_error(401, "UNAUTHENTICATED");
     assert_eq!(missing.header("www-authenticate"), "Bearer");
+    // An unknown caller is refused before its body or query is read: what
+    // it sent is not looked at (it was 400 for the bad JSON, the unknown
+    // parameter and the mismatched key).
+    anonymous
+        .send("POST", "/api/v1/jobs:batch", Some("not json".into()))
+        .await
+        .expect_error(401, "UNAUTHENTICATED");
+    anonymous
+        .get("/api/v1/jobs?bogus=1")
+        .await
+        .expect_error(401, "UNAUTHENTICATED");
+    anonymous
+        .clone()
+        .with("idempotency-key", "a")
+        .post("/api/v1/jobs", json!({"idempotencyKey": "b"}))
+        .await
+        .expect_error(401, "UNAUTHENTICATED");
     Http::new(&server)
         .token("not-a-token-at-all-000")
         .post("/api/v1/jobs", job_body("q", "k", json!({})))

@@ -119,6 +119,22 @@ pub fn authorize(
     }))
 }
 
+/// Whether `headers` carry a known token (anyone in open mode), whatever
+/// its roles: the check that can run before a request's body is read, so
+/// that an unknown caller costs no parsing. [`authorize`] still decides the
+/// method.
+pub fn authenticate(source: &TokenSource, headers: &HeaderMap) -> Result<(), AuthError> {
+    if source.is_open() {
+        return Ok(());
+    }
+    let token = bearer(headers)?;
+    source
+        .current()
+        .find(token)
+        .map(|_| ())
+        .ok_or(AuthError::UnknownToken)
+}
+
 /// The token of `authorization: Bearer <token>` (scheme case-insensitive,
 /// as RFC 6750 has it).
 fn bearer(headers: &HeaderMap) -> Result<&str, AuthError> {

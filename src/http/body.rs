@@ -5,8 +5,11 @@ use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use serde::de::{
+    self, DeserializeOwned, DeserializeSeed, Deserializer, Error as _, IgnoredAny, MapAccess,
+    SeqAccess, Visitor,
+};
 use serde::Serialize;
-use serde::de::DeserializeOwned;
 
 use super::error::HttpError;
 use crate::domain::validate::ValidationError;
@@ -36,6 +39,86 @@ pub fn parse<T: DeserializeOwned + Default>(body: &[u8]) -> Result<T, HttpError>
     serde_json::from_slice(body).map_err(|e| {
         ValidationError::new("body", format!("not valid proto3 JSON for this call: {e}")).into()
     })
+}
+
+/// Refuses a body whose top-level array `field` holds more than `max`
+/// items, before any item is built: a 16 MiB body of empty items (`{},`)
+/// would decode into millions of messages, gigabytes of memory, before the
+/// call's own count check. A body that is not an object passes, for
+/// [`parse`] to refuse.
+pub fn at_most(body: &[u8], field: &'static str, max: usize) -> Result<(), HttpError> {
+    let mut reader = serde_json::Deserializer::from_slice(body);
+    match serde::Deserializer::deserialize_any(&mut reader, Counting { field, max }) {
+        Err(e) if e.is_data() && e.to_string().starts_with(TOO_MANY) => Err(ValidationError::new(
+            field,
+            format!("send at most {max} items"),
+        )
+        .into()),
+        _ => Ok(()),
+    }
+}
+
+/// The start of [`Counting`]'s error, which tells it from JSON errors.
+const TOO_MANY: &str = "too many items";
+
+/// Walks an object, skipping every value but `field`'s array, whose items
+/// it counts (skipped too) up to `max`.
+struct Counting {
+    field: &'static str,
+    max: usize,
+}
+
+impl<'de> Visitor<'de> for Counting {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("an object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+            if key == self.field {
+                map.next_value_seed(CountingItems(self.max))?;
+            } else {
+                map.next_value::<IgnoredAny>()?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Counts an array's items up to a limit; anything else is skipped.
+struct CountingItems(usize);
+
+impl<'de> DeserializeSeed<'de> for CountingItems {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for CountingItems {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("an array")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        let mut n = 0;
+        while seq.next_element::<IgnoredAny>()?.is_some() {
+            n += 1;
+            if n > self.0 {
+                return Err(A::Error::custom(TOO_MANY));
+            }
+        }
+        Ok(())
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
+        Ok(())
+    }
 }
 
 /// A JSON answer.

@@ -17,7 +17,7 @@ use tonic::{Code, Request, Response, Status};
 
 use crate::api::JobsApi;
 use crate::auth::TokenSource;
-use crate::auth::layer::authorize;
+use crate::auth::layer::{authenticate, authorize};
 use crate::auth::role::METRICS_SCRAPE;
 use crate::pb::job_service_server::JobService;
 use crate::protect::{ProtectError, RateLimiter};
@@ -92,6 +92,13 @@ impl Gateway {
             limits,
             metrics,
         }
+    }
+
+    /// Whether `headers` carry a known token (anyone in open mode): checked
+    /// before a body is read; the method's roles are checked by the call.
+    pub fn authenticate(&self, headers: &HeaderMap) -> Result<(), Status> {
+        authenticate(&self.tokens, headers)?;
+        Ok(())
     }
 
     /// Whether `headers` carry a token that may scrape `GET /metrics` (the

@@ -15,7 +15,7 @@ use super::body::{self, json};
 use super::error::HttpError;
 use super::gateway::{Gateway, Method};
 use super::query;
-use crate::domain::validate::ValidationError;
+use crate::domain::validate::{MAX_BATCH, ValidationError};
 use crate::pb;
 use crate::pb::job_service_server::JobService;
 
@@ -78,7 +78,9 @@ pub async fn submit_batch(
     headers: HeaderMap,
     raw: Body,
 ) -> Result<Response, HttpError> {
-    let request: pb::SubmitBatchRequest = body::parse(&body::bytes(raw)?)?;
+    let raw = body::bytes(raw)?;
+    body::at_most(&raw, "jobs", MAX_BATCH)?;
+    let request: pb::SubmitBatchRequest = body::parse(&raw)?;
     let answer = gateway
         .call(
             Method::SubmitBatch,

@@ -17,6 +17,9 @@ use serde_json::{Map, Value, json};
 use super::body::json;
 use super::error::HttpError;
 
+/// Where this document is served (public, also with a token file).
+pub const PATH: &str = "/api/v1/openapi.json";
+
 /// One documented operation.
 pub struct Operation {
     /// `get` or `post`.
@@ -160,7 +163,7 @@ pub const OPERATIONS: &[Operation] = &[
     },
     Operation {
         method: "get",
-        path: "/api/v1/openapi.json",
+        path: PATH,
         rpc: "",
         summary: "This document.",
         body: None,
