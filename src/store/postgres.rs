@@ -410,7 +410,16 @@ macro_rules! claim_statement {
                                 ORDER BY j.priority LIMIT 1)
                         FROM levels l WHERE l.priority IS NOT NULL
                     )
-                    SELECT due.* FROM levels l
+                    -- Highest level first, and no order above the join:
+                    -- the limit stops the join once it has enough, so a
+                    -- lower level's scan runs (and locks jobs) only when the
+                    -- higher ones fall short. Ordered above it, every
+                    -- level's scan ran and locked as many jobs as asked for,
+                    -- and a claim beside this one skipped those it did not
+                    -- take. The picks below sort the candidates again.
+                    SELECT due.* FROM (SELECT priority FROM levels
+                                       WHERE priority IS NOT NULL
+                                       ORDER BY priority DESC) l
                     CROSS JOIN LATERAL (
                         SELECT id, ctid AS tid, priority, run_at, kind,
                             qb.any AND EXISTS (
@@ -419,9 +428,12 @@ macro_rules! claim_statement {
                                   AND b.open_until IS NOT NULL) AS half_open
                         FROM jobs
                         WHERE tenant = t.tenant AND queue = q.name AND state = 'queued'
-                          AND priority = l.priority AND run_at <= now()
+                          -- The statement's time, not the transaction's: a
+                          -- capped claim's began before it waited for its
+                          -- queue's lock.
+                          AND priority = l.priority AND run_at <= statement_timestamp()
                           AND (cardinality($3::text[]) = 0 OR kind = ANY($3))
-                          AND (deadline IS NULL OR deadline > now())
+                          AND (deadline IS NULL OR deadline > statement_timestamp())
                           AND (NOT qb.any OR NOT EXISTS (
                               SELECT 1 FROM breakers b
                               WHERE b.tenant = t.tenant AND b.queue = q.name AND b.kind = jobs.kind
@@ -429,7 +441,7 @@ macro_rules! claim_statement {
                                 -- the filter, plans took jobs_running_owner
                                 -- and read the tenant's running jobs (and
                                 -- their cost made the claim JIT-compiled).
-                                AND (b.open_until > now()
+                                AND (b.open_until > statement_timestamp()
                                      OR (SELECT p.state FROM jobs p
                                          WHERE p.tenant = b.tenant AND p.id = b.probe_job)
                                         = 'running')
@@ -438,8 +450,6 @@ macro_rules! claim_statement {
                         LIMIT $4
                         FOR UPDATE SKIP LOCKED
                     ) due
-                    WHERE l.priority IS NOT NULL
-                    ORDER BY due.priority DESC, due.run_at, due.id
                     LIMIT $4
                 ) c
                 WHERE NOT EXISTS (
@@ -2565,6 +2575,110 @@ mod tests {
             .collect();
         claimed.sort_by_key(|c| c.1);
         claimed
+    }
+
+    /// A claim locks only the jobs it takes. Each priority level's scan
+    /// locked as many jobs as were asked for, though only the best were
+    /// taken: a claim beside it skipped the rest, and its caller found
+    /// nothing while a job was runnable (until the next poll).
+    #[tokio::test]
+    async fn a_claim_locks_only_the_jobs_it_takes() {
+        let scratch = Scratch::new("intray_claim_locks_taken").await;
+        let store = PgStore::open(&Settings::new(&scratch.url), Arc::new(Notifier::new()))
+            .await
+            .expect("open the store");
+        let tenant = "default";
+        let mut high = new_job();
+        high.priority = 10;
+        let ids: Vec<Uuid> = store
+            .submit(tenant, vec![high, new_job()])
+            .await
+            .expect("submit")
+            .into_iter()
+            .map(|s| s.expect("stored").job.id)
+            .collect();
+        let mut holder = PgConnection::connect(&scratch.url).await.expect("connect");
+        holder
+            .execute(PLANNER_SETTINGS)
+            .await
+            .expect("the store's planner settings");
+        let mut open = holder.begin().await.expect("begin");
+        let specs = [lease_spec("first", 1)];
+        let claim = Claim::new(tenant, &specs, false).expect("a claim");
+        let first = claim
+            .bind(sqlx::query(claim.statement()), &store.caps)
+            .fetch_all(&mut *open)
+            .await
+            .expect("the first claim");
+        let first: Vec<Uuid> = first.iter().map(|row| row.get("id")).collect();
+        assert_eq!(first, [ids[0]], "the higher priority first");
+
+        let second = tokio::time::timeout(
+            Duration::from_secs(30),
+            store.lease(tenant, &[lease_spec("second", 1)]),
+        )
+        .await
+        .expect("the second claim does not wait")
+        .expect("the second claim");
+        let second: Vec<Uuid> = second.concat().iter().map(|j| j.id).collect();
+        assert_eq!(second, [ids[1]], "the job the first claim did not take");
+        open.rollback().await.expect("rollback");
+        drop(store);
+    }
+
+    /// A capped claim's transaction begins before it waits for its queue's
+    /// lock: a job whose deadline passes during that wait is not leased
+    /// (the claim's filters read the transaction's start, and leased it
+    /// with a lease already over).
+    #[tokio::test]
+    async fn a_capped_claim_leases_no_job_whose_deadline_passed_while_it_waited() {
+        let scratch = Scratch::new("intray_cap_deadline").await;
+        let mut settings = Settings::new(&scratch.url);
+        settings.max_running_per_tenant = Some(10);
+        let store = PgStore::open(&settings, Arc::new(Notifier::new()))
+            .await
+            .expect("open the store");
+        let tenant = "default";
+        let mut job = new_job();
+        job.deadline = Some(Utc::now() + chrono::Duration::milliseconds(500));
+        store
+            .submit(tenant, vec![job])
+            .await
+            .expect("submit")
+            .into_iter()
+            .collect::<StoreResult<Vec<_>>>()
+            .expect("stored");
+        let mut holder = PgConnection::connect(&scratch.url).await.expect("connect");
+        let hold = pg_caps::begin_and_lock(Some(tenant), &["q".to_owned()]);
+        sqlx::raw_sql(sqlx::AssertSqlSafe(hold))
+            .execute(&mut holder)
+            .await
+            .expect("hold the lock of q");
+        let specs = [lease_spec("w", 1)];
+        let claim = tokio::spawn({
+            let store = Arc::new(store);
+            let specs = specs.clone();
+            async move { store.lease(tenant, &specs).await }
+        });
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        sqlx::raw_sql("COMMIT")
+            .execute(&mut holder)
+            .await
+            .expect("release the lock");
+        let leased = tokio::time::timeout(Duration::from_secs(30), claim)
+            .await
+            .expect("the claim goes on once the lock is free")
+            .expect("the claim's task")
+            .expect("the claim");
+        let leased = leased.concat();
+        assert!(
+            leased.is_empty(),
+            "leased past its deadline: {:?}",
+            leased
+                .iter()
+                .map(|j| (j.deadline, j.lease_expires_at))
+                .collect::<Vec<_>>()
+        );
     }
 
     /// The one-tenant claim must pick what the general one picks for one
