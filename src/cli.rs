@@ -21,10 +21,17 @@ fn queue_cap(s: &str) -> Result<(String, u32), String> {
         .split_once('=')
         .ok_or_else(|| format!("expected QUEUE=N, got {s:?}"))?;
     let queue = crate::domain::validate::queue("queue", queue).map_err(|e| e.to_string())?;
-    let cap = cap
-        .parse()
-        .map_err(|_| format!("{cap:?} is not a number of jobs"))?;
-    Ok((queue, cap))
+    Ok((queue, running_cap(cap)?))
+}
+
+/// A cap of running jobs: at least 1 (0 would stop the queue for good, with
+/// nothing said; `PauseQueue` is how to stop one).
+fn running_cap(s: &str) -> Result<u32, String> {
+    match s.parse() {
+        Ok(0) => Err("a cap of 0 would never run a job (pause the queue instead)".into()),
+        Ok(cap) => Ok(cap),
+        Err(_) => Err(format!("{s:?} is not a number of jobs")),
+    }
 }
 
 /// Where the database is.
@@ -133,7 +140,7 @@ pub struct ServeArgs {
     pub queue_bound: u64,
 
     /// Most running jobs of one tenant in one queue; no cap when unset.
-    #[arg(long, env = "INTRAY_MAX_RUNNING_PER_TENANT")]
+    #[arg(long, env = "INTRAY_MAX_RUNNING_PER_TENANT", value_parser = running_cap)]
     pub max_running_per_tenant: Option<u32>,
 
     /// Per-queue override of --max-running-per-tenant, as QUEUE=N; repeat or separate with commas.
@@ -431,6 +438,25 @@ mod tests {
             "one pool connection would be the listener's"
         );
         assert_eq!(parse("3").map(|s| s.args.max_connections).ok(), Some(3));
+    }
+
+    #[test]
+    fn a_running_cap_of_zero_is_refused() {
+        let parse = |args: &[&str]| Serve::try_parse_from([&["serve"], args].concat());
+        assert!(parse(&["--max-running-per-tenant", "0"]).is_err());
+        assert!(parse(&["--queue-max-running-per-tenant", "gpu=0"]).is_err());
+        let serve = parse(&[
+            "--max-running-per-tenant",
+            "1",
+            "--queue-max-running-per-tenant",
+            "gpu=2",
+        ])
+        .expect("caps of 1 and 2");
+        assert_eq!(serve.args.max_running_per_tenant, Some(1));
+        assert_eq!(
+            serve.args.queue_max_running_per_tenant,
+            [("gpu".to_owned(), 2)]
+        );
     }
 
     #[test]

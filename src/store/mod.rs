@@ -99,10 +99,16 @@ pub struct RunningCaps {
 }
 
 impl RunningCaps {
-    /// Whether any cap is set: only then (or when claiming across tenants)
-    /// does a claim need the running jobs counted.
-    pub fn any(&self) -> bool {
-        self.default != i64::MAX || !self.caps.is_empty()
+    /// Whether a cap applies to `queue`: only then (or when claiming across
+    /// tenants) does a claim from it need the running jobs counted, under
+    /// its lock, and is a job submitted to it never handed off.
+    pub fn covers(&self, queue: &str) -> bool {
+        self.default != i64::MAX || self.queues.iter().any(|q| q == queue)
+    }
+
+    /// Whether a cap applies to any of `queues`.
+    pub fn cover_any(&self, queues: &[String]) -> bool {
+        queues.iter().any(|q| self.covers(q))
     }
 
     /// The caps configured in `settings`.

@@ -591,8 +591,9 @@ struct Claim<'a> {
 }
 
 impl<'a> Claim<'a> {
-    /// The claim for `specs`; `None` when there are none.
-    fn new(tenant: &'a str, specs: &'a [LeaseSpec], capped: bool) -> Option<Claim<'a>> {
+    /// The claim for `specs`, capped when a cap of `caps` applies to one of
+    /// its queues; `None` when there are no specs.
+    fn new(tenant: &'a str, specs: &'a [LeaseSpec], caps: &RunningCaps) -> Option<Claim<'a>> {
         let spec = specs.first()?;
         let slot_caller = specs
             .iter()
@@ -604,7 +605,7 @@ impl<'a> Claim<'a> {
             queues: &spec.queues,
             kinds: &spec.kinds,
             only_tenant: (!spec.all_tenants).then_some(tenant),
-            capped,
+            capped: caps.cover_any(&spec.queues),
             slot_caller,
         })
     }
@@ -1762,8 +1763,12 @@ impl Store for PgStore {
         let n = jobs.len();
         // Running caps are counted by the claim; a job under one is never
         // handed off.
-        let handing = !self.caps.any();
-        let handoff = |i: usize| handoffs.get(i).and_then(Option::as_ref).filter(|_| handing);
+        let handoff = |i: usize| {
+            handoffs
+                .get(i)
+                .and_then(Option::as_ref)
+                .filter(|_| jobs.get(i).is_some_and(|j| !self.caps.covers(&j.queue)))
+        };
         let handoff_workers: Vec<Option<&str>> = (0..n)
             .map(|i| handoff(i).map(|h| h.worker_id.as_str()))
             .collect();
@@ -2169,7 +2174,7 @@ impl Store for PgStore {
 
     #[tracing::instrument(name = "store.lease", skip_all, fields(callers = specs.len()))]
     async fn lease(&self, tenant: &str, specs: &[LeaseSpec]) -> StoreResult<Vec<Vec<Job>>> {
-        let Some(claim) = Claim::new(tenant, specs, self.caps.any()) else {
+        let Some(claim) = Claim::new(tenant, specs, &self.caps) else {
             return Ok(Vec::new());
         };
         // The settings of the `planned` pool's sessions are what the claim
@@ -2209,7 +2214,7 @@ impl Store for PgStore {
         items: Vec<CompleteSpec>,
         specs: &[LeaseSpec],
     ) -> StoreResult<(Vec<StoreResult<Ended>>, StoreResult<Vec<Vec<Job>>>)> {
-        let claim = Claim::new(tenant, specs, self.caps.any());
+        let claim = Claim::new(tenant, specs, &self.caps);
         let with_write = claim.as_ref().filter(|claim| {
             claim.follows_a_write() && !items.is_empty() && !self.needs_breaker_locks(&items)
         });
@@ -2604,7 +2609,7 @@ mod tests {
             .expect("the store's planner settings");
         let mut open = holder.begin().await.expect("begin");
         let specs = [lease_spec("first", 1)];
-        let claim = Claim::new(tenant, &specs, false).expect("a claim");
+        let claim = Claim::new(tenant, &specs, &store.caps).expect("a claim");
         let first = claim
             .bind(sqlx::query(claim.statement()), &store.caps)
             .fetch_all(&mut *open)
@@ -2623,6 +2628,68 @@ mod tests {
         let second: Vec<Uuid> = second.concat().iter().map(|j| j.id).collect();
         assert_eq!(second, [ids[1]], "the job the first claim did not take");
         open.rollback().await.expect("rollback");
+        drop(store);
+    }
+
+    /// A cap on one queue leaves the others alone: a claim from an uncapped
+    /// queue takes no queue lock (it waited for a lock held on its queue as
+    /// if capped), and a job submitted to it is still handed off to an idle
+    /// worker (any cap anywhere turned the hand-off off for every queue).
+    #[tokio::test]
+    async fn a_cap_on_one_queue_leaves_the_others_uncapped() {
+        let scratch = Scratch::new("intray_cap_one_queue").await;
+        let mut settings = Settings::new(&scratch.url);
+        settings
+            .queue_max_running_per_tenant
+            .insert("gpu".into(), 2);
+        let store = PgStore::open(&settings, Arc::new(Notifier::new()))
+            .await
+            .expect("open the store");
+        let tenant = "default";
+        let mut holder = PgConnection::connect(&scratch.url).await.expect("connect");
+        let hold = pg_caps::begin_and_lock(Some(tenant), &["q".to_owned()]);
+        sqlx::raw_sql(sqlx::AssertSqlSafe(hold))
+            .execute(&mut holder)
+            .await
+            .expect("hold the lock of q");
+        let handed = store
+            .submit_handing(
+                tenant,
+                vec![new_job()],
+                vec![Some(Handoff {
+                    worker_id: "idle".into(),
+                    lease_duration: Duration::from_secs(30),
+                })],
+            )
+            .await
+            .expect("submit")
+            .pop()
+            .expect("one result")
+            .expect("stored");
+        assert_eq!(
+            handed.job.state,
+            JobState::Running,
+            "handed off to the idle worker"
+        );
+        store
+            .submit(tenant, vec![new_job()])
+            .await
+            .expect("submit")
+            .into_iter()
+            .collect::<StoreResult<Vec<_>>>()
+            .expect("stored");
+        let leased = tokio::time::timeout(
+            Duration::from_secs(5),
+            store.lease(tenant, &[lease_spec("w", 1)]),
+        )
+        .await
+        .expect("a claim from an uncapped queue takes no lock")
+        .expect("lease");
+        assert_eq!(leased.concat().len(), 1);
+        sqlx::raw_sql("COMMIT")
+            .execute(&mut holder)
+            .await
+            .expect("release the lock");
         drop(store);
     }
 
@@ -2792,7 +2859,7 @@ mod tests {
             ),
         ];
         let specs = [lease_spec("b", 2), lease_spec("c", 1)];
-        let claim = Claim::new(tenant, &specs, false).expect("a claim");
+        let claim = Claim::new(tenant, &specs, &store.caps).expect("a claim");
         let (ended, leased) = store
             .complete_unlocked(tenant, items, Some(&claim))
             .await

@@ -690,7 +690,7 @@ impl SqliteStore {
         .bind(duration_ms(spec.lease_duration))
         .bind(to_json(&caps))
         .bind(self.caps.default)
-        .bind(spec.all_tenants || self.caps.any())
+        .bind(spec.all_tenants || self.caps.cover_any(&spec.queues))
         .fetch_all(&mut **tx)
         .await?;
         // Every leased row gets its LEASED event from its columns, so one
@@ -793,7 +793,10 @@ impl Store for SqliteStore {
         let mut changes = Changes::default();
         let mut handoffs = handoffs.into_iter();
         for new in jobs {
-            let handoff = handoffs.next().flatten().filter(|_| !self.caps.any());
+            let handoff = handoffs
+                .next()
+                .flatten()
+                .filter(|_| !self.caps.covers(&new.queue));
             let mut result = self.submit_one(&mut tx, tenant, new, now).await?;
             if let (Ok(submitted), Some(handoff)) = (&mut result, handoff)
                 && submitted.created
