@@ -294,8 +294,7 @@ async fn submit_batch_answers_each_item(backend: Backend) {
         .await
         .expect_error(400, "INVALID_ARGUMENT");
     assert_eq!(
-        refused["details"][0]["fieldViolations"][0]["description"],
-        "send at most 1000 items",
+        refused["details"][0]["fieldViolations"][0]["description"], "send at most 1000 items",
         "{refused}"
     );
     let listed = http.get("/api/v1/jobs?queue=b").await.json();

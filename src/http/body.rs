@@ -5,11 +5,11 @@ use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use serde::Serialize;
 use serde::de::{
     self, DeserializeOwned, DeserializeSeed, Deserializer, Error as _, IgnoredAny, MapAccess,
     SeqAccess, Visitor,
 };
-use serde::Serialize;
 
 use super::error::HttpError;
 use crate::domain::validate::ValidationError;
@@ -49,11 +49,9 @@ pub fn parse<T: DeserializeOwned + Default>(body: &[u8]) -> Result<T, HttpError>
 pub fn at_most(body: &[u8], field: &'static str, max: usize) -> Result<(), HttpError> {
     let mut reader = serde_json::Deserializer::from_slice(body);
     match serde::Deserializer::deserialize_any(&mut reader, Counting { field, max }) {
-        Err(e) if e.is_data() && e.to_string().starts_with(TOO_MANY) => Err(ValidationError::new(
-            field,
-            format!("send at most {max} items"),
-        )
-        .into()),
+        Err(e) if e.is_data() && e.to_string().starts_with(TOO_MANY) => {
+            Err(ValidationError::new(field, format!("send at most {max} items")).into())
+        }
         _ => Ok(()),
     }
 }
