@@ -1,7 +1,8 @@
 //! `intray bench --spawn` (the built binary) with tiny sizes on SQLite and on
 //! a fresh PostgreSQL database: every scenario prints parseable JSON lines
-//! with its keys, and the server's Stats count every job as succeeded.
-//! Shape and counts only: nothing here depends on how fast anything is.
+//! with its keys, and the server's Stats count every job as succeeded (the
+//! bench itself fails when they do not). Shape and counts only: nothing
+//! here depends on how fast anything is.
 
 mod common;
 
@@ -13,7 +14,13 @@ use sqlx::Connection;
 /// Warm-up jobs per scenario (dispatch samples too, below 100).
 const WARMUP: u64 = 3;
 const E2E_JOBS: u64 = 30;
+/// Small enough that the producers wait for completions.
+const E2E_OUTSTANDING: u64 = 4;
 const BATCHED_JOBS: u64 = 120;
+const BATCH: u64 = 50;
+/// The least allowed: one batch at a time.
+const BATCHED_OUTSTANDING: u64 = BATCH;
+const WORKERS: u64 = 2;
 const BURN_DOWN_JOBS: u64 = 150;
 const SAMPLES: u64 = 5;
 const BACKLOG: u64 = 1500;
@@ -26,9 +33,12 @@ async fn bench(database_url: &str, log: &Path) -> (Vec<Value>, String) {
         .args(["bench", "--json", "--spawn", "--database-url", database_url])
         .args(["--server-log", &log.display().to_string()])
         .args(["--submit-producers", "1,2", "--submit-jobs", "20"])
-        .args(["--producers", "2", "--workers", "2"])
+        .args(["--producers", "2", "--workers", &WORKERS.to_string()])
         .args(["--e2e-jobs", &E2E_JOBS.to_string()])
-        .args(["--batched-jobs", &BATCHED_JOBS.to_string(), "--batch", "50"])
+        .args(["--e2e-outstanding", &E2E_OUTSTANDING.to_string()])
+        .args(["--batched-jobs", &BATCHED_JOBS.to_string()])
+        .args(["--batch", &BATCH.to_string()])
+        .args(["--batched-outstanding", &BATCHED_OUTSTANDING.to_string()])
         .args(["--burn-down-jobs", &BURN_DOWN_JOBS.to_string()])
         .args(["--dispatch-samples", &SAMPLES.to_string()])
         .args(["--dispatch-spacing", "1ms"])
@@ -116,10 +126,10 @@ fn check(reports: &[Value], backend: &str) {
         }
     }
 
-    for (scenario, jobs) in [
-        ("e2e", E2E_JOBS),
-        ("e2e-chained", E2E_JOBS),
-        ("e2e-batched", BATCHED_JOBS),
+    for (scenario, jobs, outstanding) in [
+        ("e2e", E2E_JOBS, E2E_OUTSTANDING),
+        ("e2e-chained", E2E_JOBS, E2E_OUTSTANDING),
+        ("e2e-batched", BATCHED_JOBS, BATCHED_OUTSTANDING),
     ] {
         let rows = lines(reports, scenario);
         assert_eq!(rows.len(), 1, "{scenario}");
@@ -129,11 +139,13 @@ fn check(reports: &[Value], backend: &str) {
             assert!(number(row, key) >= 0.0, "{key} in {row}");
         }
         assert_eq!(number(row, "completed"), jobs as f64, "{row}");
+        assert_eq!(number(row, "outstanding"), outstanding as f64, "{row}");
         assert_eq!(
             number(row, "stats_succeeded"),
             (jobs + WARMUP) as f64,
             "{row}"
         );
+        assert_eq!(row["stats_succeeded"], row["expected_succeeded"], "{row}");
         assert_eq!(
             row["complete_and_lease"],
             scenario == "e2e-chained",
@@ -142,7 +154,7 @@ fn check(reports: &[Value], backend: &str) {
     }
     assert_eq!(
         number(lines(reports, "e2e-batched")[0], "lease_max_jobs"),
-        50.0
+        BATCH as f64
     );
 
     for scenario in ["burn-down", "burn-down-chained"] {
@@ -154,6 +166,7 @@ fn check(reports: &[Value], backend: &str) {
             number(burn[0], "stats_succeeded"),
             (BURN_DOWN_JOBS + WARMUP) as f64
         );
+        assert_eq!(burn[0]["stats_succeeded"], burn[0]["expected_succeeded"]);
         assert_eq!(
             burn[0]["complete_and_lease"],
             scenario == "burn-down-chained"
@@ -170,6 +183,10 @@ fn check(reports: &[Value], backend: &str) {
         number(dispatch[0], "stats_succeeded"),
         (SAMPLES + WARMUP) as f64
     );
+    assert_eq!(
+        dispatch[0]["stats_succeeded"],
+        dispatch[0]["expected_succeeded"]
+    );
 
     let backlog = lines(reports, "backlog");
     assert_eq!(backlog.len(), 2, "one row per backlog size");
@@ -179,11 +196,22 @@ fn check(reports: &[Value], backend: &str) {
         assert!(number(row, "e2e_jobs_per_s") > 0.0, "{row}");
         assert!(number(row, "dispatch_p99_ms") > 0.0, "{row}");
         assert!(row["arrangement"].is_string(), "{row}");
-        // The size's own e2e and dispatch jobs, warm-ups included (the
-        // dispatch probe's in each of the four rounds), each size in a queue
-        // of its own; the backlog itself is never claimed.
+        assert_eq!(row["e2e_backlog"], "runnable", "{row}");
+        assert_eq!(row["dispatch_backlog"], "scheduled", "{row}");
+        assert_eq!(row["e2e_outstanding"], row["backlog"], "{row}");
+        // The size's e2e completions, warm-up included, and its dispatch
+        // jobs (the probe's warm-up in each of the four rounds), each size
+        // in queues of its own. Behind the runnable backlog each other
+        // worker may complete one job beyond a run's count (in the warm-up
+        // and in each of the four rounds); the scheduled backlog is never
+        // claimed.
         let per_size = BACKLOG_JOBS + WARMUP + SAMPLES + 4 * WARMUP;
-        assert_eq!(number(row, "stats_succeeded"), per_size as f64, "{row}");
+        let succeeded = number(row, "stats_succeeded");
+        assert_eq!(row["stats_succeeded"], row["expected_succeeded"], "{row}");
+        assert!(
+            succeeded >= per_size as f64 && succeeded <= (per_size + 5 * (WORKERS - 1)) as f64,
+            "{row}"
+        );
     }
     for key in ["e2e_ratio", "dispatch_p50_ratio", "dispatch_p99_ratio"] {
         assert!(number(backlog[1], key) > 0.0, "{key}");
@@ -216,7 +244,9 @@ fn check(reports: &[Value], backend: &str) {
         "{row}"
     );
     assert!(number(row, "rss_idle_mib") > 0.0 && number(row, "rss_above_idle_mib") >= 0.0);
+    assert!(number(row, "rss_watching_mib") > 0.0, "{row}");
     assert_eq!(number(row, "stats_succeeded"), WATCHERS as f64);
+    assert_eq!(row["stats_succeeded"], row["expected_succeeded"]);
     if backend == "postgres" {
         assert!(number(row, "db_connections") >= 0.0, "{row}");
         assert!(number(row, "db_connections_busy") >= 0.0, "{row}");
@@ -226,6 +256,18 @@ fn check(reports: &[Value], backend: &str) {
             "{row}"
         );
     }
+}
+
+#[tokio::test]
+async fn a_bound_smaller_than_a_batch_is_refused() {
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_intray"))
+        .args(["bench", "--batch", "100", "--batched-outstanding", "99"])
+        .output()
+        .await
+        .expect("run intray bench");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--batched-outstanding"), "{stderr}");
 }
 
 #[tokio::test]

@@ -46,6 +46,38 @@ pub enum BenchError {
         message: String,
     },
 
+    /// A batched completion answered a different number of results than it
+    /// was sent items: some outcomes were dropped or made up.
+    #[error("{call} answered {answered} results for {sent} items")]
+    Answer {
+        /// Which call.
+        call: &'static str,
+        /// Items sent.
+        sent: usize,
+        /// Results in the answer.
+        answered: usize,
+    },
+
+    /// After a scenario the server does not count as SUCCEEDED exactly the
+    /// jobs the run completed, so its figures counted work that did not
+    /// happen as reported.
+    #[error(
+        "{scenario}: the server counts {counted} jobs of queue {queue} as SUCCEEDED, \
+         expected {expected} ({what}); a job was lost, failed or completed twice"
+    )]
+    Unaccounted {
+        /// The scenario that ran the jobs.
+        scenario: &'static str,
+        /// Their queue.
+        queue: String,
+        /// The server's count.
+        counted: u64,
+        /// The jobs the run completed.
+        expected: u64,
+        /// What `expected` is made of.
+        what: String,
+    },
+
     /// The run did not make progress in time (a lost job, a dead server).
     #[error("{0}")]
     Stalled(String),

@@ -106,9 +106,22 @@ pub struct BenchArgs {
     #[arg(long, value_name = "N", default_value_t = 20_000)]
     pub e2e_jobs: u64,
 
+    /// Most jobs outstanding (submitted and not yet answered as completed)
+    /// in e2e and e2e-chained: a producer waits for a completion before
+    /// submitting more, so the queue stays this deep instead of growing
+    /// through the run.
+    #[arg(long, value_name = "N", default_value_t = 1000)]
+    pub e2e_outstanding: u64,
+
     /// Measured jobs of e2e-batched.
     #[arg(long, value_name = "N", default_value_t = 100_000)]
     pub batched_jobs: u64,
+
+    /// Most jobs outstanding in e2e-batched; at least --batch. Larger than
+    /// e2e's so that every worker can hold a full lease with jobs still
+    /// queued behind.
+    #[arg(long, value_name = "N", default_value_t = 10_000)]
+    pub batched_outstanding: u64,
 
     /// Jobs per SubmitBatch in the batched scenarios; Lease max_jobs is this, at most 100.
     #[arg(long, value_name = "N", default_value_t = 100)]
@@ -123,7 +136,8 @@ pub struct BenchArgs {
     #[arg(long, value_name = "N", default_value_t = 1000)]
     pub dispatch_samples: u64,
 
-    /// Pause between dispatch jobs.
+    /// Pause from the idle worker having completed a dispatch job (about to
+    /// Lease again) to the next Submit.
     #[arg(long, value_name = "DURATION", default_value = "5ms", value_parser = duration)]
     pub dispatch_spacing: Duration,
 
@@ -132,7 +146,9 @@ pub struct BenchArgs {
     #[arg(long, value_name = "N", default_value_t = 1_000_000)]
     pub backlog_size: u64,
 
-    /// Measured e2e jobs at each backlog size (over all its rounds).
+    /// Measured e2e jobs at each backlog size (over all its rounds); the
+    /// e2e part runs behind a runnable backlog of that size, kept at that
+    /// depth, and the dispatch part beside a scheduled one.
     #[arg(long, value_name = "N", default_value_t = 10_000)]
     pub backlog_jobs: u64,
 
@@ -164,6 +180,7 @@ impl BenchArgs {
             ("--producers", self.producers as u64),
             ("--workers", self.workers as u64),
             ("--e2e-jobs", self.e2e_jobs),
+            ("--e2e-outstanding", self.e2e_outstanding),
             ("--batched-jobs", self.batched_jobs),
             ("--batch", self.batch as u64),
             ("--burn-down-jobs", self.burn_down_jobs),
@@ -187,6 +204,12 @@ impl BenchArgs {
                 "--batch is at most 1000 (the SubmitBatch limit)".into(),
             ));
         }
+        if self.batched_outstanding < self.batch as u64 {
+            return Err(BenchError::BadArgument(format!(
+                "--batched-outstanding must be at least --batch ({}): a SubmitBatch needs room for all its jobs",
+                self.batch
+            )));
+        }
         if self.backlog_size < SMALL_BACKLOG {
             return Err(BenchError::BadArgument(format!(
                 "--backlog-size must be at least {SMALL_BACKLOG}, the size it is compared with"
@@ -198,7 +221,9 @@ impl BenchArgs {
             producers: self.producers,
             workers: self.workers,
             e2e_jobs: self.e2e_jobs,
+            e2e_outstanding: self.e2e_outstanding,
             batched_jobs: self.batched_jobs,
+            batched_outstanding: self.batched_outstanding,
             batch: self.batch,
             burn_down_jobs: self.burn_down_jobs,
             dispatch_samples: self.dispatch_samples,

@@ -1,19 +1,22 @@
-//! The e2e and dispatch figures with a small and a large backlog queued in
-//! the same queue as the measured jobs.
+//! The e2e and dispatch figures with a small and a large backlog queued
+//! beside the measured jobs.
 //!
-//! Each size has a queue of its own. In one queue grown from the small size
+//! The two halves need different backlogs. e2e runs behind a runnable
+//! backlog: jobs like the measured ones (same queue, priority 0, due now),
+//! so every claim takes a backlog job, oldest first, and the producers'
+//! outstanding bound, set to the backlog's size and taken up by it, lets one
+//! new job in per completion: the queue stays as deep as the backlog for the
+//! whole run. Dispatch needs a worker that stays idle, which no runnable job
+//! may be in reach of, so it runs beside a scheduled backlog in a queue of
+//! its own: priority -1 and `run_at` a day ahead, never claimed; there a
+//! claim only has to find the one due job past the backlog's index entries.
+//!
+//! Each size has queues of its own. In one queue grown from the small size
 //! to the large, the large size's claims would also step over the index
 //! entries that the small size's claimed jobs left (dead until vacuum:
 //! every claim starts at its level's oldest entry), and the ratio would
 //! compare one size's churn with two sizes' instead of one size with the
 //! other.
-//!
-//! The backlog must stay queued, untouched, while the measured jobs run: if
-//! it were runnable, idle workers would claim it (so no worker would ever be
-//! idle for the dispatch probe) and the small backlog would be gone within a
-//! second. So backlog jobs are QUEUED with priority -1 and a `run_at` a day
-//! ahead; the measured jobs have priority 0 and are due now. Every claim
-//! still has to find the measured jobs among, or past, the backlog rows.
 
 use std::time::Duration;
 
@@ -28,35 +31,45 @@ use super::pipeline::Pipeline;
 use super::settle::Settle;
 
 /// What the output says was done, so a reader knows what the figure means.
-pub const ARRANGEMENT: &str = "backlog jobs QUEUED in the measured queue with priority -1 and \
-     run_at now+24h (not runnable, never claimed); measured jobs priority 0, due now; \
-     one queue per size; the sizes measured in turns over 4 rounds (small, large, large, small, ...); \
-     a CHECKPOINT and a wait for the CPU to settle before each e2e and dispatch part";
+pub const ARRANGEMENT: &str = "e2e: behind a RUNNABLE backlog in the measured queue (priority 0, \
+     due now, like the measured jobs; claimed oldest first), held at the backlog's size by the \
+     producers' outstanding bound (one job submitted per job completed); dispatch: beside a \
+     SCHEDULED backlog in a queue of its own (priority -1, run_at now+24h: never claimed, so the \
+     worker stays idle); queues of their own per size; the sizes measured in turns over 4 rounds \
+     (small, large, large, small, ...); a CHECKPOINT and a wait for the CPU to settle before each \
+     e2e and dispatch part";
 
 /// The figures at one backlog size.
 #[derive(Debug)]
 pub struct AtSize {
-    /// Jobs queued behind the measured ones.
+    /// Jobs in each of the size's backlogs.
     pub backlog: u64,
-    /// The queue of this size's backlog and measured jobs.
-    pub queue_name: String,
-    /// e2e throughput of the measured jobs.
+    /// The queue of the runnable backlog and the e2e jobs.
+    pub e2e_queue: String,
+    /// The queue of the scheduled backlog and the dispatch jobs.
+    pub dispatch_queue: String,
+    /// e2e throughput behind the runnable backlog.
     pub e2e_jobs_per_s: f64,
-    /// Their time in queue.
-    pub queue: Option<Summary>,
-    /// Dispatch latency to an idle worker.
+    /// Completions the e2e part's workers had answered, warm-up included:
+    /// what the server must count as SUCCEEDED in `e2e_queue`.
+    pub e2e_completed: u64,
+    /// Dispatch latency to an idle worker beside the scheduled backlog.
     pub dispatch: Option<Summary>,
+    /// Dispatch jobs, warm-ups included: what the server must count as
+    /// SUCCEEDED in `dispatch_queue`.
+    pub dispatch_jobs: u64,
 }
 
 /// What to run at each size.
 pub struct Plan {
-    /// The e2e part; each size's queue is named after its queue.
+    /// The e2e part; each size's queue is named after its queue, and its
+    /// outstanding bound is the size.
     pub pipeline: Pipeline,
     /// Measured e2e jobs per size.
     pub e2e_jobs: u64,
     /// e2e jobs before those, not measured.
     pub warmup: u64,
-    /// The dispatch part; its queue is each size's, like the e2e part's.
+    /// The dispatch part; each size's queue is named after its queue.
     pub dispatch: Dispatch,
     /// Run before each size's e2e and dispatch parts, so that the work the
     /// backlog's queueing left behind (WAL to write, a million rows to vacuum)
@@ -74,17 +87,23 @@ const ROUNDS: u64 = 4;
 struct Measured {
     backlog: u64,
     pipeline: Pipeline,
+    /// Jobs outstanding in the e2e queue now: the backlog, less what the
+    /// last run's workers completed beyond its count (the next run's
+    /// producers make that up first).
+    queued: u64,
     dispatch: Dispatch,
-    completed: u64,
+    /// Completions inside the e2e clocks.
+    timed: u64,
     elapsed: Duration,
-    queue_times: Vec<Duration>,
+    completed: u64,
     dispatch_times: Vec<Duration>,
+    dispatch_jobs: u64,
 }
 
-/// Queues a backlog of each of `sizes` in a queue of its own (named after
-/// `plan`'s), then measures the sizes in turns over [`ROUNDS`] rounds;
+/// Queues both backlogs of each of `sizes` in queues of their own (named
+/// after `plan`'s), then measures the sizes in turns over [`ROUNDS`] rounds;
 /// `at_size` is called with each size's result at the end, in `sizes`'
-/// order.
+/// order. The runnable backlogs stay queued afterwards, like the scheduled.
 pub async fn run(
     conn: &Conn,
     plan: &Plan,
@@ -93,29 +112,40 @@ pub async fn run(
 ) -> Result<(), BenchError> {
     let mut measured = Vec::with_capacity(sizes.len());
     for &size in sizes {
-        let queue = format!("{}-{size}", plan.pipeline.queue);
-        progress(&format!("queueing a backlog of {size} jobs in {queue}"));
+        let runnable = format!("{}-runnable-{size}", plan.pipeline.queue);
+        progress(&format!(
+            "queueing a runnable backlog of {size} jobs in {runnable}"
+        ));
+        prefill(conn, &runnable, size, plan.pipeline.priority, None).await?;
+        let scheduled = format!("{}-scheduled-{size}", plan.dispatch.queue);
+        progress(&format!(
+            "queueing a scheduled backlog of {size} jobs in {scheduled}"
+        ));
         let later = Utc::now() + chrono::Duration::days(1);
-        prefill(conn, &queue, size, -1, Some(later.into())).await?;
+        prefill(conn, &scheduled, size, -1, Some(later.into())).await?;
         measured.push(Measured {
             backlog: size,
             pipeline: Pipeline {
-                queue: queue.clone(),
+                queue: runnable,
+                outstanding: size,
                 ..plan.pipeline.clone()
             },
+            queued: size,
             dispatch: Dispatch {
-                queue,
+                queue: scheduled,
                 ..plan.dispatch.clone()
             },
-            completed: 0,
+            timed: 0,
             elapsed: Duration::ZERO,
-            queue_times: Vec::new(),
+            completed: 0,
             dispatch_times: Vec::new(),
+            dispatch_jobs: 0,
         });
     }
     if plan.warmup > 0 {
-        for m in &measured {
-            m.pipeline.run(conn, plan.warmup).await?;
+        for m in &mut measured {
+            let warm = m.pipeline.run_behind(conn, plan.warmup, m.queued).await?;
+            m.account(plan.warmup, warm.completed);
         }
     }
     for round in 0..ROUNDS {
@@ -132,10 +162,10 @@ pub async fn run(
             let jobs = share(plan.e2e_jobs, round);
             if jobs > 0 {
                 plan.settle.wait().await;
-                let e2e = m.pipeline.run(conn, jobs).await?;
-                m.completed += e2e.completed;
+                let e2e = m.pipeline.run_behind(conn, jobs, m.queued).await?;
+                m.account(jobs, e2e.completed);
+                m.timed += jobs;
                 m.elapsed += e2e.elapsed;
-                m.queue_times.extend(e2e.queue_times);
             }
             plan.settle.wait().await;
             let probe = Dispatch {
@@ -143,18 +173,31 @@ pub async fn run(
                 ..m.dispatch.clone()
             };
             m.dispatch_times.extend(probe.run(conn).await?);
+            m.dispatch_jobs += probe.warmup + probe.samples;
         }
     }
     for m in measured {
         at_size(AtSize {
             backlog: m.backlog,
-            queue_name: m.pipeline.queue,
-            e2e_jobs_per_s: rate(m.completed, m.elapsed),
-            queue: summarize(m.queue_times),
+            e2e_queue: m.pipeline.queue,
+            dispatch_queue: m.dispatch.queue,
+            e2e_jobs_per_s: rate(m.timed, m.elapsed),
+            e2e_completed: m.completed,
             dispatch: summarize(m.dispatch_times),
+            dispatch_jobs: m.dispatch_jobs,
         })?;
     }
     Ok(())
+}
+
+impl Measured {
+    /// Books an e2e run that submitted `submitted` jobs and completed
+    /// `completed` (more, when other workers held or were leasing jobs as
+    /// the count was reached).
+    fn account(&mut self, submitted: u64, completed: u64) {
+        self.completed += completed;
+        self.queued = (self.queued + submitted).saturating_sub(completed);
+    }
 }
 
 /// Round `round`'s part of `total`: the rounds' parts add up to `total`.

@@ -1,6 +1,11 @@
 //! One idle worker parked in a long-poll Lease; jobs submitted one at a time,
 //! spaced out; the time from the start of each Submit call to the worker
 //! holding the job.
+//!
+//! The pause before the next Submit starts once the worker has completed
+//! the job and is about to Lease again: counted from the moment it held the
+//! job, a Complete slower than the pause would leave the next job to a
+//! plain claim, not to the parked long-poll this measures.
 
 use std::time::{Duration, Instant};
 
@@ -14,7 +19,7 @@ use crate::pb::LeaseRequest;
 
 /// How long the idle worker's Lease waits before asking again.
 const LEASE_WAIT: Duration = Duration::from_secs(10);
-/// A job not dispatched within this long is lost.
+/// A job not dispatched and completed within this long is lost.
 const LOST: Duration = Duration::from_secs(30);
 
 /// What the dispatch probe sends.
@@ -26,7 +31,7 @@ pub struct Dispatch {
     pub samples: u64,
     /// Jobs sent first and not measured.
     pub warmup: u64,
-    /// Pause after each job reached the worker, before the next Submit.
+    /// Pause after the worker has completed each job, before the next Submit.
     pub spacing: Duration,
     /// Priority of the probe jobs.
     pub priority: i32,
@@ -54,6 +59,7 @@ impl Dispatch {
                     .job
                     .map(|j| j.id)
                     .unwrap_or_default();
+                // The worker's report comes once it has completed the job.
                 let held = tokio::time::timeout(LOST, async {
                     while let Some((got, at)) = rx.recv().await {
                         if got == id {
@@ -68,7 +74,7 @@ impl Dispatch {
                     Ok(None) => break,
                     Err(_) => {
                         return Err(BenchError::Stalled(format!(
-                            "job {id} was not dispatched to the idle worker within {LOST:?}"
+                            "job {id} was not dispatched to and completed by the idle worker within {LOST:?}"
                         )));
                     }
                 };
@@ -88,7 +94,8 @@ impl Dispatch {
     }
 }
 
-/// The idle worker: leases one job at a time, reports when it holds it, completes it.
+/// The idle worker: leases one job at a time and completes it, then reports
+/// when it held it, just before its next Lease.
 async fn park(
     mut client: Workers,
     queue: String,
@@ -113,12 +120,12 @@ async fn park(
         .jobs;
         let at = Instant::now();
         for job in jobs {
-            // The probe may have stopped listening after an error of its own.
-            let _ = held.send((job.job_id.clone(), at));
             client
                 .complete(success(&job))
                 .await
                 .map_err(|s| BenchError::rpc("Complete", s))?;
+            // The probe may have stopped listening after an error of its own.
+            let _ = held.send((job.job_id, at));
         }
     }
 }

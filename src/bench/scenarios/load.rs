@@ -146,3 +146,26 @@ pub async fn succeeded(conn: &Conn, queue: &str) -> Result<u64, BenchError> {
         .map(|c| c.count)
         .sum())
 }
+
+/// The server's count of `queue`'s SUCCEEDED jobs, which must be `expected`,
+/// the jobs `scenario` completed (`what` says how they add up): a figure
+/// is only worth printing when every job it counts really ended SUCCEEDED.
+pub async fn verify_succeeded(
+    conn: &Conn,
+    scenario: &'static str,
+    queue: &str,
+    expected: u64,
+    what: &str,
+) -> Result<u64, BenchError> {
+    let counted = succeeded(conn, queue).await?;
+    if counted != expected {
+        return Err(BenchError::Unaccounted {
+            scenario,
+            queue: queue.to_owned(),
+            counted,
+            expected,
+            what: what.to_owned(),
+        });
+    }
+    Ok(counted)
+}

@@ -17,7 +17,7 @@ use clap::ValueEnum;
 use serde_json::Value;
 
 use self::dispatch::Dispatch;
-use self::load::{prefill, progress, succeeded};
+use self::load::{prefill, progress, verify_succeeded};
 use self::pipeline::Pipeline;
 use self::settle::Settle;
 use super::conn::Conn;
@@ -31,12 +31,15 @@ use super::stats::{millis, rate, summarize};
 pub enum Scenario {
     /// Unary Submit from 1, 16 and 32 concurrent producers.
     Submit,
-    /// Producers with unary Submit, workers with Lease(max_jobs 1) and Complete.
+    /// Producers with unary Submit, workers with Lease(max_jobs 1) and
+    /// Complete, at most --e2e-outstanding jobs outstanding.
     E2e,
     /// e2e with workers that report each job with CompleteAndLease, which
-    /// claims their next job (max_jobs 1) in the same call.
+    /// claims their next job (max_jobs 1) in the same call: another shape,
+    /// not e2e.
     E2eChained,
-    /// SubmitBatch, Lease(max_jobs up to 100) and CompleteBatch.
+    /// SubmitBatch, Lease(max_jobs up to 100) and CompleteBatch, at most
+    /// --batched-outstanding jobs outstanding.
     E2eBatched,
     /// A pre-submitted backlog drained with Lease(100) and CompleteBatch.
     BurnDown,
@@ -45,7 +48,8 @@ pub enum Scenario {
     BurnDownChained,
     /// Submit to an idle, parked worker, one job at a time.
     Dispatch,
-    /// e2e and dispatch with a small and a large backlog in the queue.
+    /// e2e behind a runnable backlog held at a small and a large size, and
+    /// dispatch beside a scheduled (never runnable) backlog of each size.
     Backlog,
     /// Thousands of WatchJob streams: memory, connections, event latency.
     Watchers,
@@ -67,15 +71,20 @@ pub struct Sizes {
     pub workers: usize,
     /// Measured jobs of e2e.
     pub e2e_jobs: u64,
+    /// Most jobs outstanding (submitted, not yet answered as completed) in
+    /// e2e and e2e-chained.
+    pub e2e_outstanding: u64,
     /// Measured jobs of e2e-batched.
     pub batched_jobs: u64,
+    /// Most jobs outstanding in e2e-batched.
+    pub batched_outstanding: u64,
     /// Jobs per SubmitBatch, and Lease max_jobs (at most 100), of the batched scenarios.
     pub batch: usize,
     /// Jobs pre-submitted and drained by burn-down.
     pub burn_down_jobs: u64,
     /// Measured jobs of dispatch (and of each backlog size).
     pub dispatch_samples: u64,
-    /// Pause between dispatch jobs.
+    /// Pause from the idle worker having completed a dispatch job to the next Submit.
     pub dispatch_spacing: Duration,
     /// The large backlog (the small one is 1,000).
     pub backlog_size: u64,
@@ -150,6 +159,11 @@ impl Ctx {
             },
             priority: 0,
             chain,
+            outstanding: if batched {
+                self.sizes.batched_outstanding
+            } else {
+                self.sizes.e2e_outstanding
+            },
         }
     }
 }
@@ -201,25 +215,36 @@ pub async fn run(
             let queue = ctx.queue(name);
             let pipeline = ctx.pipeline(queue.clone(), batched, chain);
             progress(&format!(
-                "{name}: {} producers, {} workers, {jobs} jobs",
-                pipeline.producers, pipeline.workers
+                "{name}: {} producers, {} workers, {jobs} jobs, at most {} outstanding",
+                pipeline.producers, pipeline.workers, pipeline.outstanding
             ));
             if s.warmup > 0 {
                 pipeline.run(&ctx.conn, s.warmup).await?;
             }
             let run = pipeline.run(&ctx.conn, jobs).await?;
+            let expected = jobs + s.warmup;
+            let counted = verify_succeeded(
+                &ctx.conn,
+                name,
+                &queue,
+                expected,
+                &format!("{jobs} jobs + {} warm-up", s.warmup),
+            )
+            .await?;
             emit(
                 Report::new(name)
                     .field("producers", pipeline.producers)
                     .field("workers", pipeline.workers)
                     .field("jobs", jobs)
+                    .field("outstanding", pipeline.outstanding)
                     .field("submit_batch", pipeline.submit_batch)
                     .field("lease_max_jobs", pipeline.lease_max)
                     .field("complete_and_lease", chain)
-                    .rate("jobs_per_s", rate(run.completed, run.elapsed))
+                    .rate("jobs_per_s", rate(jobs, run.elapsed))
                     .latency("queue", summarize(run.queue_times))
                     .field("completed", run.completed)
-                    .field("stats_succeeded", succeeded(&ctx.conn, &queue).await?)
+                    .field("stats_succeeded", counted)
+                    .field("expected_succeeded", expected)
                     .field("warmup_jobs", s.warmup),
             )?;
         }
@@ -243,15 +268,25 @@ pub async fn run(
                 pipeline.workers
             ));
             let run = pipeline.drain(&ctx.conn, s.burn_down_jobs).await?;
+            let expected = s.burn_down_jobs + s.warmup;
+            let counted = verify_succeeded(
+                &ctx.conn,
+                name,
+                &queue,
+                expected,
+                &format!("{} jobs + {} warm-up", s.burn_down_jobs, s.warmup),
+            )
+            .await?;
             emit(
                 Report::new(name)
                     .field("workers", pipeline.workers)
                     .field("jobs", s.burn_down_jobs)
                     .field("lease_max_jobs", pipeline.lease_max)
                     .field("complete_and_lease", chain)
-                    .rate("jobs_per_s", rate(run.completed, run.elapsed))
+                    .rate("jobs_per_s", rate(s.burn_down_jobs, run.elapsed))
                     .field("completed", run.completed)
-                    .field("stats_succeeded", succeeded(&ctx.conn, &queue).await?)
+                    .field("stats_succeeded", counted)
+                    .field("expected_succeeded", expected)
                     .field("warmup_jobs", s.warmup),
             )?;
         }
@@ -268,12 +303,22 @@ pub async fn run(
                 probe.samples
             ));
             let latencies = probe.run(&ctx.conn).await?;
+            let expected = probe.samples + probe.warmup;
+            let counted = verify_succeeded(
+                &ctx.conn,
+                "dispatch",
+                &probe.queue,
+                expected,
+                &format!("{} samples + {} warm-up", probe.samples, probe.warmup),
+            )
+            .await?;
             emit(
                 Report::new("dispatch")
                     .field("samples", latencies.len())
                     .field("spacing_ms", millis(probe.spacing))
                     .latency("dispatch", summarize(latencies))
-                    .field("stats_succeeded", succeeded(&ctx.conn, &probe.queue).await?)
+                    .field("stats_succeeded", counted)
+                    .field("expected_succeeded", expected)
                     .field("warmup_jobs", probe.warmup),
             )?;
         }
@@ -285,7 +330,7 @@ pub async fn run(
                 e2e_jobs: s.backlog_jobs,
                 warmup: s.warmup,
                 dispatch: Dispatch {
-                    queue: queue.clone(),
+                    queue,
                     samples: s.dispatch_samples,
                     warmup: ctx.dispatch_warmup(),
                     spacing: s.dispatch_spacing,
@@ -299,11 +344,13 @@ pub async fn run(
             backlog::run(&ctx.conn, &plan, &sizes, |at| {
                 let mut report = Report::new("backlog")
                     .field("backlog", at.backlog)
+                    .field("e2e_backlog", "runnable")
+                    .field("dispatch_backlog", "scheduled")
                     .field("producers", plan.pipeline.producers)
                     .field("workers", plan.pipeline.workers)
                     .field("e2e_jobs", plan.e2e_jobs)
+                    .field("e2e_outstanding", at.backlog)
                     .rate("e2e_jobs_per_s", at.e2e_jobs_per_s)
-                    .latency("queue", at.queue)
                     .latency("dispatch", at.dispatch)
                     .field("dispatch_samples", plan.dispatch.samples);
                 if let Some(small) = &first {
@@ -328,22 +375,45 @@ pub async fn run(
                             )),
                         );
                 }
-                reports.push((
-                    report.field("arrangement", backlog::ARRANGEMENT),
-                    at.queue_name.clone(),
-                ));
+                let extra = at.e2e_completed.saturating_sub(plan.e2e_jobs + plan.warmup);
+                let checks = [
+                    (
+                        at.e2e_queue.clone(),
+                        at.e2e_completed,
+                        format!(
+                            "e2e: {} jobs + {} warm-up, and {extra} that other workers \
+                             held or were leasing as a run reached its count",
+                            plan.e2e_jobs, plan.warmup
+                        ),
+                    ),
+                    (
+                        at.dispatch_queue.clone(),
+                        at.dispatch_jobs,
+                        format!(
+                            "dispatch: {} samples and each round's warm-up",
+                            plan.dispatch.samples
+                        ),
+                    ),
+                ];
+                reports.push((report.field("arrangement", backlog::ARRANGEMENT), checks));
                 if first.is_none() {
                     first = Some(at);
                 }
                 Ok(())
             })
             .await?;
-            // Each size's e2e and dispatch jobs, warm-ups included, ended SUCCEEDED.
-            for (report, queue) in reports {
-                let done = succeeded(&ctx.conn, &queue).await?;
+            // Each size's completed e2e jobs and dispatch jobs, warm-ups
+            // included, ended SUCCEEDED; the backlogs are still queued.
+            for (report, checks) in reports {
+                let (mut counted, mut expected) = (0, 0);
+                for (queue, jobs, what) in checks {
+                    counted += verify_succeeded(&ctx.conn, "backlog", &queue, jobs, &what).await?;
+                    expected += jobs;
+                }
                 emit(
                     report
-                        .field("stats_succeeded", done)
+                        .field("stats_succeeded", counted)
+                        .field("expected_succeeded", expected)
                         .field("warmup_jobs", s.warmup),
                 )?;
             }
@@ -365,6 +435,14 @@ pub async fn run(
                     server_pid: ctx.server_pid,
                     pg_url,
                 },
+            )
+            .await?;
+            let counted = verify_succeeded(
+                &ctx.conn,
+                "watchers",
+                &queue,
+                s.watchers,
+                &format!("{} watched jobs", s.watchers),
             )
             .await?;
             let above = watched
@@ -392,7 +470,8 @@ pub async fn run(
                         watched.db_connections.map(|c| c.busy),
                     )
                     .field("db_pool", pool)
-                    .field("stats_succeeded", succeeded(&ctx.conn, &queue).await?),
+                    .field("stats_succeeded", counted)
+                    .field("expected_succeeded", s.watchers),
             )?;
         }
         Scenario::Transport => {
