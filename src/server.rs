@@ -18,7 +18,9 @@ use crate::engine::observer::Observer;
 use crate::engine::{gauges, notifier::Notifier, reaper};
 use crate::pb::job_service_server::JobServiceServer;
 use crate::pb::worker_service_server::WorkerServiceServer;
-use crate::protect::{CallLimitLayer, DecodeErrorsLayer, RateLimitLayer, RateLimiter};
+use crate::protect::{
+    BatchCountLayer, CallLimitLayer, DecodeErrorsLayer, RateLimitLayer, RateLimiter,
+};
 use crate::store::{self, StoreError};
 use crate::telemetry::Metrics;
 use crate::telemetry::rpc::RpcLayer;
@@ -136,7 +138,10 @@ pub async fn run_with(
         .layer(AuthLayer::new(Arc::clone(&tokens)))
         .layer(RateLimitLayer::new(limiter))
         .layer(call_limit)
-        .layer(DecodeErrorsLayer);
+        .layer(DecodeErrorsLayer)
+        .layer(BatchCountLayer {
+            max_message: MAX_REQUEST_BYTES,
+        });
     let keepalive = (
         settings.http2_keepalive_interval,
         settings.http2_keepalive_timeout,

@@ -20,7 +20,8 @@ use tonic::Code;
 common::backend_tests!(
     bad_input_writes_nothing,
     bounds_are_inclusive,
-    json_nesting_bounds
+    json_nesting_bounds,
+    a_batch_of_millions_of_empty_items_is_refused_undecoded
 );
 
 const TENANT: &str = "bad";
@@ -630,6 +631,55 @@ async fn raw_submit(server: &TestServer, queue: Vec<u8>) -> Result<(), tonic::St
     )
     .await
     .map(|_| ())
+}
+
+/// The process's peak resident memory, in bytes (`VmHWM`).
+fn peak_rss() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .expect("VmHWM in kB")
+        * 1024
+}
+
+/// A `SubmitBatch` just under the 16 MiB message limit made of empty items
+/// (two bytes each: eight million of them) is refused as too many items
+/// before any is decoded. Decoded first, as before, they took gigabytes of
+/// the server's memory ahead of the count check.
+async fn a_batch_of_millions_of_empty_items_is_refused_undecoded(backend: Backend) {
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct RawBatch {
+        #[prost(bytes = "vec", repeated, tag = "1")]
+        jobs: Vec<Vec<u8>>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct Empty {}
+    let server = TestServer::start(backend).await;
+    let before = rows(&server).await;
+    let items = (16 * 1024 * 1024 - 64) / 2;
+    let batch = RawBatch {
+        jobs: vec![Vec::new(); items],
+    };
+    // The server runs in this process: its peak is this process's.
+    let peak_before = peak_rss();
+    let mut grpc = tonic::client::Grpc::new(server.new_channel().await);
+    grpc.ready().await.expect("the channel is ready");
+    let path =
+        tonic::codegen::http::uri::PathAndQuery::from_static("/intray.v1.JobService/SubmitBatch");
+    let codec = tonic_prost::ProstCodec::<RawBatch, Empty>::default();
+    let answer = grpc.unary(req(TENANT, batch), path, codec).await;
+    let status = answer.expect_err("eight million items are refused");
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    let grown = peak_rss().saturating_sub(peak_before);
+    assert!(
+        grown < 1024 * 1024 * 1024,
+        "the peak memory grew by {} MiB",
+        grown / (1024 * 1024)
+    );
+    assert_eq!(rows(&server).await, before, "nothing written");
+    server.stop().await;
 }
 
 /// The values exactly at each bound are accepted.

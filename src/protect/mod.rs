@@ -1,11 +1,14 @@
-//! Protecting the server from its callers: a per-caller rate limit, and a
+//! Protecting the server from its callers: a per-caller rate limit, a
 //! per-call timeout and concurrency limit that spare long-polls and
-//! streams. (Message size limits are set per service in `server.rs`.)
+//! streams, and a count of a batch's items before it is decoded. (Message
+//! size limits are set per service in `server.rs`.)
 
+pub mod batch;
 pub mod decode;
 pub mod limit;
 pub mod rate;
 
+pub use batch::BatchCountLayer;
 pub use decode::DecodeErrorsLayer;
 pub use limit::CallLimitLayer;
 pub use rate::{RateLimitLayer, RateLimiter};
