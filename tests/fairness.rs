@@ -17,6 +17,7 @@ common::backend_tests!(
     running_cap_per_tenant_and_queue,
     all_tenants_lease_respects_pause_and_caps,
     running_cap_holds_across_replicas,
+    a_freed_slot_wakes_a_worker_waiting_at_the_cap,
 );
 
 fn shared_lease(worker: &str, queue: &str, max_jobs: u32) -> pb::LeaseRequest {
@@ -160,6 +161,44 @@ async fn running_cap_per_tenant_and_queue(backend: Backend) {
     complete_ok(&mut workers, &first[0]).await;
     let next = lease_now(&mut workers, "w2", "narrow").await;
     assert_eq!(next.len(), 1, "a finished job frees one slot");
+    server.stop().await;
+}
+
+/// A worker long-polling at a queue's cap is woken when a running job of
+/// that queue ends and frees a slot. Nothing was queued by the end, so it
+/// waited for the next poll (60 s here) or the end of its wait (20 s), and
+/// claimed then.
+async fn a_freed_slot_wakes_a_worker_waiting_at_the_cap(backend: Backend) {
+    let server = TestServer::start_with(backend, |s| {
+        s.max_running_per_tenant = Some(1);
+        s.fallback_poll = Duration::from_secs(60);
+    })
+    .await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+    submit_many(&mut jobs, "narrow", 2).await;
+    let first = lease_now(&mut workers, "w1", "narrow").await;
+    assert_eq!(first.len(), 1, "the cap is 1");
+    let mut waiting = server.workers_client_own_conn("t").await;
+    let parked = tokio::spawn(async move {
+        waiting
+            .lease(lease_req("w2", "narrow", 1, Duration::from_secs(20)))
+            .await
+            .expect("Lease")
+            .into_inner()
+            .jobs
+    });
+    // Parked: at the cap, nothing to claim.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    complete_ok(&mut workers, &first[0]).await;
+    let freed = std::time::Instant::now();
+    let got = parked.await.expect("the waiting Lease");
+    let took = freed.elapsed();
+    assert_eq!(got.len(), 1, "the waiting worker got the job");
+    assert!(
+        took < Duration::from_secs(10),
+        "the job came {took:?} after its slot was freed: at the end of the wait, not on the freeing"
+    );
     server.stop().await;
 }
 

@@ -12,6 +12,7 @@ use std::collections::BTreeSet;
 
 use uuid::Uuid;
 
+use super::RunningCaps;
 use crate::domain::{Job, JobEvent, JobState};
 use crate::engine::notifier::{ANY_QUEUE, Notifier, queue_key};
 
@@ -28,6 +29,9 @@ const MAX_PAYLOADS: usize = 32;
 #[derive(Debug, Default)]
 pub struct Changes {
     queues: BTreeSet<String>,
+    /// Tenants and queues where a job ended: under a running cap each end
+    /// frees a slot, and the queue's waiting workers may claim again.
+    ended: BTreeSet<(String, String)>,
     /// Changed jobs whose events are not in `events`: this replica's
     /// watchers of them read the database.
     jobs: Vec<Uuid>,
@@ -52,6 +56,8 @@ impl Changes {
     fn runnable(&mut self, job: &Job) {
         if job.state == JobState::Queued {
             self.queues.insert(queue_key(&job.tenant, &job.queue));
+        } else if job.state.is_terminal() {
+            self.ended.insert((job.tenant.clone(), job.queue.clone()));
         }
     }
 
@@ -75,14 +81,35 @@ impl Changes {
 
     /// Nothing to tell anyone.
     pub fn is_empty(&self) -> bool {
-        self.queues.is_empty() && self.jobs.is_empty() && self.events.is_empty()
+        self.queues.is_empty()
+            && self.ended.is_empty()
+            && self.jobs.is_empty()
+            && self.events.is_empty()
     }
 
-    /// Wakes this process's waiters.
-    pub fn wake(&self, notifier: &Notifier) {
+    /// The queues where a job ended and a running cap applies. Only those
+    /// wake on an end: elsewhere an ended job makes nothing claimable.
+    fn freed<'a>(&'a self, caps: &'a RunningCaps) -> impl Iterator<Item = String> + 'a {
+        self.ended
+            .iter()
+            .filter(|(_, queue)| caps.covers(queue))
+            .map(|(tenant, queue)| queue_key(tenant, queue))
+    }
+
+    /// Turns the ends of jobs under `caps` into queue wake-ups, so that the
+    /// other replicas' waiting workers hear of the freed slots too.
+    pub fn capped_slots_freed(&mut self, caps: &RunningCaps) {
+        let freed: Vec<String> = self.freed(caps).collect();
+        self.queues.extend(freed);
+        self.ended.clear();
+    }
+
+    /// Wakes this process's waiters, those of queues where a job under
+    /// `caps` ended included.
+    pub fn wake(&self, notifier: &Notifier, caps: &RunningCaps) {
         notifier.events_committed(&self.events);
-        for key in &self.queues {
-            notifier.queue_ready(key);
+        for key in self.queues.iter().cloned().chain(self.freed(caps)) {
+            notifier.queue_ready(&key);
         }
         for id in &self.jobs {
             notifier.job_changed(*id);
@@ -92,6 +119,7 @@ impl Changes {
     /// Adds what another transaction changed, for the other replicas.
     pub fn merge(&mut self, other: Changes) {
         self.queues.extend(other.queues);
+        self.ended.extend(other.ended);
         self.jobs.extend(other.jobs);
         self.events.extend(other.events);
     }

@@ -1685,11 +1685,12 @@ impl PgStore {
 
     /// After a commit: wakes this replica's waiters at once and queues the
     /// changes for the other replicas.
-    fn committed(&self, changes: Changes) {
+    fn committed(&self, mut changes: Changes) {
+        changes.capped_slots_freed(&self.caps);
         if changes.is_empty() {
             return;
         }
-        changes.wake(&self.notifier);
+        changes.wake(&self.notifier, &self.caps);
         // Only fails once the store is being dropped.
         let _ = self.committed.send(changes);
     }

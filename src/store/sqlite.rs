@@ -357,7 +357,7 @@ impl SqliteStore {
 
     async fn commit(&self, tx: Tx, changes: &Changes) -> StoreResult<()> {
         tx.commit().await?;
-        changes.wake(&self.notifier);
+        changes.wake(&self.notifier, &self.caps);
         Ok(())
     }
 
