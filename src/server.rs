@@ -64,6 +64,14 @@ fn token_source(settings: &Settings) -> Result<TokenSource, TokenFileError> {
             if tokens == 0 {
                 tracing::warn!(file = %path.display(), "the token file has no tokens: every call will be refused");
             }
+            if settings.webhooks.keys.default_secret.is_some() {
+                tracing::warn!(
+                    "the webhooks file's default_secret signs the callbacks of every tenant \
+                     without a secret of its own: each such tenant's receivers can check (and \
+                     forge) the others' callbacks. With several tenants, give each its own in \
+                     tenant_secrets."
+                );
+            }
             Ok(source)
         }
         None => {

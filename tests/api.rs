@@ -2740,6 +2740,20 @@ async fn deadline_before_run_at(backend: Backend) {
         &["deadline"],
         "deadline before run_at",
     );
+    // Apart by less than the stores' millisecond: equal once stored (on
+    // SQLite), and refused on both backends alike.
+    let at = chrono::DateTime::from_timestamp_millis(
+        (now + chrono::Duration::seconds(60)).timestamp_millis(),
+    )
+    .expect("a time");
+    let mut r = submit_req("dl", "k", json!({}));
+    r.run_at = Some(ts(at + chrono::Duration::microseconds(200)));
+    r.deadline = Some(ts(at + chrono::Duration::microseconds(700)));
+    expect_invalid(
+        jobs.submit(r).await,
+        &["deadline"],
+        "deadline within run_at's millisecond",
+    );
     let listed = jobs
         .list(pb::ListJobsRequest::default())
         .await

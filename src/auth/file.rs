@@ -14,7 +14,8 @@
 //! - TENANT is the tenant the token acts for, written like a queue name
 //!   (letters, digits, `_ . : -`). For an admin it is the default tenant,
 //!   used when a call names none in `x-intray-tenant`.
-//! - ROLES is a comma-separated list of `producer`, `worker`, `admin`.
+//! - ROLES is a comma-separated list of `producer`, `worker`, `admin`,
+//!   `metrics`.
 //!
 //! Blank lines and lines starting with `#` are ignored; a token may appear
 //! only once. Any error rejects the whole file, naming the line.
@@ -113,8 +114,9 @@ fn digest_field(token: &str) -> Result<TokenDigest, String> {
 fn roles_field(text: &str) -> Result<Roles, String> {
     let mut roles = Roles::NONE;
     for name in text.split(',') {
-        let role = Role::parse(name)
-            .ok_or_else(|| format!("unknown role {name:?} (expected producer, worker or admin)"))?;
+        let role = Role::parse(name).ok_or_else(|| {
+            format!("unknown role {name:?} (expected producer, worker, admin or metrics)")
+        })?;
         roles = roles.with(role);
     }
     Ok(roles)

@@ -314,8 +314,13 @@ pub fn submission(
                 .map_err(|e| ValidationError::new(format!("backoff.{}", e.field), e.reason))?
         }
     };
+    // In whole milliseconds, as the stores keep times: within one
+    // millisecond SQLite would store the two equal, and the job expire
+    // before it could run, where PostgreSQL (microseconds) kept them apart.
     if let Some(deadline) = input.deadline
-        && input.run_at.is_some_and(|run_at| run_at >= deadline)
+        && input
+            .run_at
+            .is_some_and(|run_at| run_at.timestamp_millis() >= deadline.timestamp_millis())
     {
         return Err(ValidationError::new("deadline", "must be after run_at"));
     }
