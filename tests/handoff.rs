@@ -23,6 +23,11 @@ mod postgres_only {
     async fn a_batch_whose_caller_left_still_reaches_the_idle_worker() {
         super::a_batch_whose_caller_left_still_reaches_the_idle_worker().await
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_lease_reserved_by_a_stalled_submit_ends_near_its_wait() {
+        super::a_lease_reserved_by_a_stalled_submit_ends_near_its_wait().await
+    }
 }
 
 /// Long-polls `queue` (and `kinds`) in a task; its answer comes back
@@ -300,5 +305,81 @@ async fn a_batch_whose_caller_left_still_reaches_the_idle_worker() {
     assert_eq!(state(&job), St::Running);
     assert_eq!(job.lease_owner, "idle");
     assert_eq!(job.idempotency_key, "taken");
+    server.stop().await;
+}
+
+/// A parked `Lease` that a submit reserved waits for that submit only a
+/// little past its own wait: the submit here stalls on an idempotency key
+/// another open transaction holds, and the call (2 s wait) answers empty
+/// instead of waiting for that transaction. The job the submit stores
+/// leased to the call once it goes on is given back to the queue.
+/// (PostgreSQL: SQLite's writer lock would hold every write.)
+async fn a_lease_reserved_by_a_stalled_submit_ends_near_its_wait() {
+    use sqlx::Connection;
+    let server = server(Backend::Postgres).await;
+    let mut jobs = server.jobs_client("t");
+    let other = submit(&mut jobs, "elsewhere", "k", json!({})).await;
+    let url = server.settings.database_url.clone();
+    let mut holder = sqlx::PgConnection::connect(&url).await.expect("connect");
+    let mut watcher = sqlx::PgConnection::connect(&url).await.expect("connect");
+    let waiter = wait_for_jobs(&server, "idle", "stalled", &[], Duration::from_secs(2));
+    tokio::time::sleep(PARK).await;
+
+    let mut held = holder.begin().await.expect("BEGIN");
+    sqlx::query("UPDATE jobs SET idempotency_key = 'taken' WHERE id = $1::uuid")
+        .bind(&other.id)
+        .execute(&mut *held)
+        .await
+        .expect("take the key");
+    let submitter = tokio::spawn(async move {
+        let mut job = submit_req("stalled", "k", json!({ "i": 1 }));
+        job.idempotency_key = "taken".into();
+        jobs.submit(job).await
+    });
+    within(
+        Duration::from_secs(10),
+        "the submit waits for the key",
+        async {
+            while lock_waiters(&mut watcher).await == 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        },
+    )
+    .await;
+    // Its 2 s wait and the 1 s grace, not the other transaction's length.
+    let leased = within(
+        Duration::from_secs(8),
+        "the reserved Lease's answer",
+        waiter,
+    )
+    .await
+    .expect("waiter task");
+    assert!(leased.is_empty(), "nothing was handed over: {leased:?}");
+
+    held.rollback().await.expect("ROLLBACK");
+    let stored = submitter
+        .await
+        .expect("submit task")
+        .expect("the submit goes on")
+        .into_inner()
+        .job
+        .expect("the job");
+    let mut jobs = server.jobs_client("t");
+    within(
+        Duration::from_secs(10),
+        "the job back in the queue",
+        async {
+            loop {
+                let job = get(&mut jobs, &stored.id).await;
+                if state(&job) == St::Queued {
+                    assert_eq!(job.attempt, 0, "the attempt given back");
+                    assert!(job.lease_owner.is_empty());
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        },
+    )
+    .await;
     server.stop().await;
 }

@@ -19,6 +19,11 @@ use crate::pb;
 use crate::pb::worker_service_server::WorkerService;
 use crate::store::{Ended, StoreError};
 
+/// How long past its wait a `Lease` waits for a submit that reserved it
+/// (its jobs are being stored leased to it, normally within a commit):
+/// without a bound, a submit stalled in the database held the call.
+const RESERVED_GRACE: Duration = Duration::from_secs(1);
+
 /// A worker's `workers` row is refreshed at most this often, so a busy
 /// worker's polling does not turn into a write per call.
 const WORKER_TOUCH_INTERVAL: Duration = Duration::from_secs(10);
@@ -122,7 +127,7 @@ impl WorkersApi {
                 }
             }
             if let Some(parked) = parked
-                && let Some(jobs) = parked.leave().await
+                && let Some(jobs) = parked.leave(give_up + RESERVED_GRACE).await
             {
                 return Ok(jobs);
             }

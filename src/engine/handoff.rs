@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use chrono::Utc;
 use tokio::sync::oneshot;
+use tokio::time::Instant;
 
 use crate::domain::{Handoff, Job, JobState, LeaseSpec, NewJob};
 use crate::store::{Store, StoreResult, Submitted};
@@ -160,8 +161,11 @@ impl Parked {
 
     /// Stops waiting. A call still parked just leaves; one a submit has
     /// reserved waits for that submit's answer, whose jobs are already
-    /// leased to it.
-    pub async fn leave(mut self) -> Option<Vec<Job>> {
+    /// leased to it, until `until`: a submit stalled in the database (on
+    /// another transaction's idempotency key) must not hold the call past
+    /// its wait. Given up on, the call is dropped as one that went away,
+    /// and the jobs the submit hands it later go back to the queue.
+    pub async fn leave(mut self, until: Instant) -> Option<Vec<Job>> {
         let still_parked = {
             let mut waiting = self.parking.lock();
             let at = waiting.calls.iter().position(|w| w.id == self.id);
@@ -170,7 +174,10 @@ impl Parked {
         if still_parked {
             return None;
         }
-        self.handed().await
+        tokio::time::timeout_at(until, self.handed())
+            .await
+            .ok()
+            .flatten()
     }
 }
 
@@ -373,7 +380,11 @@ mod tests {
         let a = parking
             .park("t", &lease("a", &["q"], &[], 1))
             .expect("parked");
-        assert_eq!(a.leave().await, None, "still parked: just leaves");
+        assert_eq!(
+            a.leave(Instant::now() + Duration::from_secs(60)).await,
+            None,
+            "still parked: just leaves"
+        );
         drop(parking.park("t", &lease("b", &["q"], &[], 1)));
         assert_eq!(
             workers(&parking.reserve("t", &[new_job("q", "k", 0)])),
@@ -418,11 +429,24 @@ mod tests {
             .park("t", &lease("a", &["q"], &[], 1))
             .expect("parked");
         let Reservation { waiters, .. } = parking.reserve("t", &[new_job("q", "k", 0)]);
-        let leaving = tokio::spawn(parked.leave());
+        let leaving = tokio::spawn(parked.leave(Instant::now() + Duration::from_secs(60)));
         tokio::task::yield_now().await;
         assert!(!leaving.is_finished(), "waits for the submit");
         // The submit kept its job queued: the call hears "nothing".
         drop(waiters);
         assert_eq!(leaving.await.expect("joined"), None);
+    }
+
+    #[tokio::test]
+    async fn a_reserved_call_waits_for_the_submit_no_longer_than_told() {
+        let (_db, parking) = parking().await;
+        let parked = parking
+            .park("t", &lease("a", &["q"], &[], 1))
+            .expect("parked");
+        let Reservation { waiters, .. } = parking.reserve("t", &[new_job("q", "k", 0)]);
+        let until = Instant::now() + Duration::from_millis(200);
+        assert_eq!(parked.leave(until).await, None, "given up at its time");
+        assert!(Instant::now() >= until);
+        drop(waiters);
     }
 }
