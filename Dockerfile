@@ -10,10 +10,13 @@
 FROM rust:1.95-bookworm AS builder
 WORKDIR /src
 # Only what the build reads: the manifest, the proto (compiled by protox in
-# build.rs, no protoc needed), the migrations (embedded) and the sources.
+# build.rs, no protoc needed), the migrations (embedded), the sources, and
+# the benchmark the manifest declares (cargo refuses a manifest whose
+# declared targets are missing, whatever it builds).
 COPY Cargo.toml Cargo.lock build.rs ./
 COPY proto ./proto
 COPY migrations ./migrations
+COPY benches ./benches
 COPY src ./src
 RUN cargo build --release --locked --bin intray \
  && cp target/release/intray /usr/local/bin/intray

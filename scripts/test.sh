@@ -100,3 +100,8 @@ scripts/browser-test.sh
 # The Helm chart: linted, rendered with Helm's own engine and validated
 # against the Kubernetes schemas (its own virtualenv; see the script).
 scripts/chart-test.sh
+
+# The Dockerfile, checked without a container engine (none here): its COPY
+# sources, its user and entrypoint, and that cargo accepts the manifest in
+# the tree it copies.
+scripts/check-image.sh
