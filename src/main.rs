@@ -87,7 +87,7 @@ async fn run() -> ExitCode {
         Command::Migrate(db) => {
             intray::telemetry::init_logging();
             let url = db.url();
-            match intray::store::migrate(&url).await {
+            match intray::store::migrate(&url, true).await {
                 Ok(()) => {
                     tracing::info!("migrations applied");
                     ExitCode::SUCCESS
@@ -135,7 +135,7 @@ async fn serve(args: ServeArgs) -> ExitCode {
     // Migrations first, then the ports: an open port (the chart's startup
     // probe) then says the schema is current, and a long migration is not
     // taken for a server that hangs. `run_with` finds nothing left to apply.
-    if let Err(err) = intray::store::migrate(&settings.database_url).await {
+    if let Err(err) = intray::store::migrate(&settings.database_url, false).await {
         eprintln!("error: {err}");
         return ExitCode::FAILURE;
     }

@@ -692,7 +692,9 @@ async fn clock_skew() {
 async fn ports_open_after_migrations() {
     use sqlx::Connection;
     let db = Db::create(Backend::Postgres).await;
-    intray::store::migrate(&db.url).await.expect("migrate");
+    intray::store::migrate(&db.url, true)
+        .await
+        .expect("migrate");
     let mut holder = sqlx::PgConnection::connect(&db.url).await.expect("connect");
     sqlx::raw_sql("BEGIN; LOCK TABLE _sqlx_migrations IN ACCESS EXCLUSIVE MODE")
         .execute(&mut holder)

@@ -126,6 +126,24 @@ impl RunningCaps {
     }
 }
 
+/// Warns when the database holds migrations newer than this build's
+/// (`applied`, the highest applied version): a previous build serving on a
+/// schema a newer one migrated, during a rollout or after a rollback. It
+/// serves on, as the migrations are additive; the README names those that
+/// are not ("Deploy on Kubernetes").
+fn migrations_ahead(known: &sqlx::migrate::Migrator, applied: Option<i64>) {
+    let ours = known.iter().map(|m| m.version).max();
+    if let (Some(applied), Some(ours)) = (applied, ours)
+        && applied > ours
+    {
+        tracing::warn!(
+            database = applied,
+            build = ours,
+            "the database has migrations this build does not know (a newer build applied them); serving on, as migrations are additive"
+        );
+    }
+}
+
 /// An attempt that a store call ended (`Complete`, or the reaper reclaiming
 /// its lease): what it was, and the job and event it ended with. Telemetry
 /// turns it into the attempt's span, metrics and log line.
@@ -433,11 +451,14 @@ pub async fn open(settings: &Settings, notifier: Arc<Notifier>) -> StoreResult<A
 }
 
 /// Applies the migrations of the database named by `url` and returns.
-pub async fn migrate(url: &str) -> StoreResult<()> {
+/// `strict` (`intray migrate`) refuses a database with a migration this
+/// build does not know; `serve` tolerates one with a warning, so that a pod
+/// of a previous build starts on a schema a newer build migrated.
+pub async fn migrate(url: &str, strict: bool) -> StoreResult<()> {
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        postgres::migrate(url).await
+        postgres::migrate(url, strict).await
     } else if url.starts_with("sqlite:") {
-        sqlite::migrate(url).await
+        sqlite::migrate(url, strict).await
     } else {
         Err(StoreError::Config(
             "database url must start with sqlite: or postgres://".into(),

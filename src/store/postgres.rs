@@ -40,12 +40,23 @@ use crate::domain::{
 };
 use crate::engine::notifier::Notifier;
 
-static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/postgres");
+/// The PostgreSQL migrations. `intray migrate` is strict: a database with a
+/// migration this build does not know is refused. A server opening the
+/// store is not (see [`super::migrations_ahead`]): migrations are additive,
+/// so that a pod of the previous build, restarted during a rollout or
+/// after a rollback, starts on a schema a newer build migrated.
+fn migrator(strict: bool) -> sqlx::migrate::Migrator {
+    let mut migrator = sqlx::migrate!("./migrations/postgres");
+    migrator.set_ignore_missing(!strict);
+    migrator
+}
 
 /// Applies the PostgreSQL migrations.
-pub async fn migrate(url: &str) -> StoreResult<()> {
+pub async fn migrate(url: &str, strict: bool) -> StoreResult<()> {
     let pool = PgPoolOptions::new().max_connections(1).connect(url).await?;
-    MIGRATOR.run(&pool).await?;
+    // The open that follows (`serve`) warns of migrations a newer build
+    // applied.
+    migrator(strict).run(&pool).await?;
     pool.close().await;
     Ok(())
 }
@@ -1267,7 +1278,12 @@ impl PgStore {
             planned_size,
             PLANNER_SETTINGS,
         )?);
-        MIGRATOR.run(&pool).await?;
+        let migrator = migrator(false);
+        migrator.run(&pool).await?;
+        let applied: Option<i64> = sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations")
+            .fetch_one(&pool)
+            .await?;
+        super::migrations_ahead(&migrator, applied);
         if settings.breaker.threshold == 0 {
             let cleared = sqlx::query("DELETE FROM breakers").execute(&pool).await?;
             super::breakers_cleared(cleared.rows_affected());
@@ -2694,6 +2710,28 @@ mod tests {
         drop(store);
     }
 
+    /// A server of this build starts on a database a newer build migrated
+    /// further (a rollout under way, or a rollback): an unknown migration
+    /// is tolerated when the store opens, and only `intray migrate`
+    /// refuses it. Before, the open refused it too, and old pods crash-looped.
+    #[tokio::test]
+    async fn a_store_opens_on_a_database_a_newer_build_migrated() {
+        let scratch = Scratch::new("intray_newer_schema").await;
+        let mut db = PgConnection::connect(&scratch.url).await.expect("connect");
+        db.execute(
+            "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+             VALUES (99999, 'from a newer build', true, '\\x00', 0)",
+        )
+        .await
+        .expect("a newer build's migration");
+        let store = scratch.store().await;
+        drop(store);
+        assert!(
+            migrate(&scratch.url, true).await.is_err(),
+            "intray migrate stays strict"
+        );
+    }
+
     /// A capped claim's transaction begins before it waits for its queue's
     /// lock: a job whose deadline passes during that wait is not leased
     /// (the claim's filters read the transaction's start, and leased it
@@ -3610,7 +3648,7 @@ mod tests {
                 .rsplit_once('/')
                 .expect("the URL names a database");
             let url = format!("{base}/{name}");
-            migrate(&url).await.expect("migrate");
+            migrate(&url, true).await.expect("migrate");
             Scratch {
                 admin,
                 name,

@@ -37,7 +37,16 @@ use crate::domain::{
 };
 use crate::engine::notifier::Notifier;
 
-static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqlite");
+/// The SQLite migrations. `intray migrate` is strict: a database with a
+/// migration this build does not know is refused. A server opening the
+/// store is not (see [`super::migrations_ahead`]): migrations are additive,
+/// so that a pod of the previous build, restarted during a rollout or
+/// after a rollback, starts on a schema a newer build migrated.
+fn migrator(strict: bool) -> sqlx::migrate::Migrator {
+    let mut migrator = sqlx::migrate!("./migrations/sqlite");
+    migrator.set_ignore_missing(!strict);
+    migrator
+}
 
 /// Bytes the write-ahead log is cut back to after a checkpoint.
 const WAL_SIZE_LIMIT: u64 = 64 * 1024 * 1024;
@@ -56,12 +65,14 @@ fn options(url: &str) -> StoreResult<SqliteConnectOptions> {
 }
 
 /// Applies the SQLite migrations (creating the file if needed).
-pub async fn migrate(url: &str) -> StoreResult<()> {
+pub async fn migrate(url: &str, strict: bool) -> StoreResult<()> {
     let pool = SqlitePoolOptions::new()
         .max_connections(1)
         .connect_with(options(url)?)
         .await?;
-    MIGRATOR.run(&pool).await?;
+    // The open that follows (`serve`) warns of migrations a newer build
+    // applied.
+    migrator(strict).run(&pool).await?;
     pool.close().await;
     Ok(())
 }
@@ -332,7 +343,12 @@ impl SqliteStore {
             .acquire_timeout(Duration::from_secs(30))
             .connect_with(options.clone())
             .await?;
-        MIGRATOR.run(&writer).await?;
+        let migrator = migrator(false);
+        migrator.run(&writer).await?;
+        let applied: Option<i64> = sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations")
+            .fetch_one(&writer)
+            .await?;
+        super::migrations_ahead(&migrator, applied);
         if settings.breaker.threshold == 0 {
             let cleared = sqlx::query("DELETE FROM breakers").execute(&writer).await?;
             super::breakers_cleared(cleared.rows_affected());
@@ -1466,6 +1482,31 @@ mod tests {
             .await
             .expect("open");
         (store, path)
+    }
+
+    /// A server of this build starts on a database a newer build migrated
+    /// further (a rollback); only `intray migrate` refuses the unknown
+    /// migration.
+    #[tokio::test]
+    async fn a_store_opens_on_a_database_a_newer_build_migrated() {
+        let dir = tempfile::tempdir().expect("dir");
+        let (store, path) = scratch_store(&dir).await;
+        sqlx::query(
+            "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+             VALUES (99999, 'from a newer build', 1, x'00', 0)",
+        )
+        .execute(&store.writer)
+        .await
+        .expect("a newer build's migration");
+        drop(store);
+        let url = format!("sqlite://{}", path.display());
+        SqliteStore::open(&Settings::new(&url), Arc::new(Notifier::new()))
+            .await
+            .expect("opens on the newer schema");
+        assert!(
+            migrate(&url, true).await.is_err(),
+            "intray migrate stays strict"
+        );
     }
 
     /// A full disk is the database being unavailable (retry later), as a
