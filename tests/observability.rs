@@ -37,7 +37,8 @@ backend_tests!(
     a_failed_then_successful_job_is_one_trace,
     an_http_submit_is_traced_like_a_grpc_one,
     an_attempt_the_reaper_ends_has_its_span,
-    metrics_show_the_jobs_made
+    metrics_show_the_jobs_made,
+    an_attempt_whose_complete_caller_left_is_still_reported
 );
 
 // ---------------------------------------------------------------------------
@@ -539,6 +540,95 @@ async fn an_attempt_the_reaper_ends_has_its_span(backend: Backend) {
         Some("lease_expired")
     );
     assert_eq!(status_code(attempt), StatusCode::Error as i32);
+    server.stop().await;
+    tracing.shutdown().await;
+}
+
+/// A `Complete` whose caller gives up (its deadline passes) while the
+/// outcome waits for the database still ends the attempt once it commits,
+/// and the attempt is reported as any other: its span and its metrics.
+/// Before, the answer for a caller gone was dropped with its report.
+async fn an_attempt_whose_complete_caller_left_is_still_reported(backend: Backend) {
+    use sqlx::Connection;
+    let mut collector = Collector::start().await;
+    let tracing = collector.pipeline();
+    let server = TestServer::start_with(backend, |s| s.tracing = tracing.clone()).await;
+    let mut jobs = server.jobs_client("acme");
+    let mut workers = server.workers_client("acme");
+    submit(&mut jobs, "gone", "k", json!({})).await;
+    let leased = lease_one(&mut workers, "w", "gone").await;
+    let trace_id = TraceParent::parse(&leased.traceparent)
+        .expect("LeasedJob.traceparent")
+        .trace_id
+        .to_vec();
+    let url = server.settings.database_url.clone();
+    // The job's row held (PostgreSQL) or the database's writer (SQLite).
+    let release: Box<dyn FnOnce() -> futures::future::BoxFuture<'static, ()>> = match backend {
+        Backend::Postgres => {
+            let mut c = sqlx::PgConnection::connect(&url).await.expect("connect");
+            sqlx::raw_sql("BEGIN").execute(&mut c).await.expect("BEGIN");
+            sqlx::query("SELECT 1 FROM jobs WHERE id = $1::uuid FOR UPDATE")
+                .bind(&leased.job_id)
+                .execute(&mut c)
+                .await
+                .expect("lock the row");
+            Box::new(move || {
+                Box::pin(async move {
+                    sqlx::raw_sql("COMMIT")
+                        .execute(&mut c)
+                        .await
+                        .expect("COMMIT");
+                })
+            })
+        }
+        Backend::Sqlite => {
+            let mut c = sqlx::SqliteConnection::connect(&url)
+                .await
+                .expect("connect");
+            sqlx::raw_sql("BEGIN IMMEDIATE")
+                .execute(&mut c)
+                .await
+                .expect("take the writer");
+            Box::new(move || {
+                Box::pin(async move {
+                    sqlx::raw_sql("COMMIT")
+                        .execute(&mut c)
+                        .await
+                        .expect("COMMIT");
+                })
+            })
+        }
+    };
+    let mut request = tonic::Request::new(success_req(&leased, json!({"ok": true})));
+    request.set_timeout(Duration::from_millis(300));
+    let status = workers
+        .complete(request)
+        .await
+        .expect_err("the caller gives up first");
+    assert!(
+        matches!(
+            status.code(),
+            tonic::Code::DeadlineExceeded | tonic::Code::Cancelled
+        ),
+        "{status:?}"
+    );
+    release().await;
+
+    let attempts =
+        r#"intray_attempts_total{queue="gone",kind="k",outcome="succeeded",error_class=""}"#;
+    within(Duration::from_secs(10), "the attempt counted", async {
+        while parse(&scrape(server.http_addr).await).get(attempts) != Some(&1.0) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    collector
+        .until(&tracing, "the attempt's span", |spans| {
+            attempts_in(spans, &trace_id).len() == 1
+        })
+        .await;
+    let attempt = &attempts_in(&collector.spans, &trace_id)[0];
+    assert_eq!(attr(attempt, "job.outcome").as_deref(), Some("succeeded"));
     server.stop().await;
     tracing.shutdown().await;
 }

@@ -72,6 +72,7 @@ impl Context {
         Ok(Context {
             batchers: Arc::new(Batchers::start(
                 Arc::clone(&store),
+                Arc::clone(&observer),
                 settings.submit_in_flight,
                 settings.coalesce_in_flight,
             )),

@@ -13,6 +13,7 @@ use crate::store::{Ended, Store, StoreError, StoreResult, Submitted};
 
 use super::coalesce::{Coalescer, Flush, FlushFuture, Sizing};
 use super::handoff::{self, Parked, Parking};
+use super::observer::Observer;
 
 /// Most jobs in one shared transaction (the API's batch limit).
 const MAX_WEIGHT: usize = 1000;
@@ -31,6 +32,7 @@ const OVERLAP_WEIGHT: usize = 32;
 /// submits may hand jobs to.
 pub struct Batchers {
     store: Arc<dyn Store>,
+    observer: Arc<Observer>,
     parking: Arc<Parking>,
     submit: Coalescer<SubmitFlush>,
     work: Coalescer<WorkFlush>,
@@ -39,8 +41,14 @@ pub struct Batchers {
 impl Batchers {
     /// Starts the coalescing tasks: the submit one runs at most
     /// `submit_in_flight` transactions at once, the lease and complete one
-    /// `in_flight`.
-    pub fn start(store: Arc<dyn Store>, submit_in_flight: usize, in_flight: usize) -> Self {
+    /// `in_flight`. Attempts ended for callers that went away are reported
+    /// to `observer` here (the callers report their own).
+    pub fn start(
+        store: Arc<dyn Store>,
+        observer: Arc<Observer>,
+        submit_in_flight: usize,
+        in_flight: usize,
+    ) -> Self {
         let parking = Arc::new(Parking::new(Arc::clone(&store)));
         let submit = SubmitFlush {
             store: Arc::clone(&store),
@@ -53,8 +61,15 @@ impl Batchers {
         };
         Batchers {
             submit: Coalescer::start(submit, sizing(submit_in_flight)),
-            work: Coalescer::start(WorkFlush(Arc::clone(&store)), sizing(in_flight)),
+            work: Coalescer::start(
+                WorkFlush {
+                    store: Arc::clone(&store),
+                    observer: Arc::clone(&observer),
+                },
+                sizing(in_flight),
+            ),
             store,
+            observer,
             parking,
         }
     }
@@ -134,8 +149,12 @@ impl Batchers {
         spec: &LeaseSpec,
     ) -> StoreResult<(Vec<StoreResult<Ended>>, StoreResult<Vec<Job>>)> {
         if items.len() + spec.max_jobs as usize >= OVERLAP_WEIGHT {
-            let ended = self.store.complete(tenant, items).await?;
-            return Ok((ended, self.lease(tenant, spec).await));
+            let ended = Unreported {
+                ended: self.store.complete(tenant, items).await?,
+                observer: &self.observer,
+            };
+            let leased = self.lease(tenant, spec).await;
+            return Ok((ended.handed_over(), leased));
         }
         match self
             .work
@@ -147,6 +166,28 @@ impl Batchers {
         {
             Done::Both(ended, leased) => Ok((ended, leased)),
             Done::Leased(_) | Done::Completed(_) => Err(mismatched()),
+        }
+    }
+}
+
+/// Attempts ended and not yet handed to the caller, who reports them: if
+/// the caller goes away first (while its claim runs), they are reported
+/// here, so that no ended attempt goes without its span, metrics and log.
+struct Unreported<'a> {
+    ended: Vec<StoreResult<Ended>>,
+    observer: &'a Observer,
+}
+
+impl Unreported<'_> {
+    fn handed_over(mut self) -> Vec<StoreResult<Ended>> {
+        std::mem::take(&mut self.ended)
+    }
+}
+
+impl Drop for Unreported<'_> {
+    fn drop(&mut self) {
+        for ended in self.ended.iter().flatten() {
+            self.observer.ended(ended);
         }
     }
 }
@@ -217,7 +258,11 @@ impl LeaseShape {
     }
 }
 
-struct WorkFlush(Arc<dyn Store>);
+struct WorkFlush {
+    store: Arc<dyn Store>,
+    /// Reports the attempts ended for callers that went away.
+    observer: Arc<Observer>,
+}
 
 impl Flush for WorkFlush {
     type Key = String;
@@ -273,11 +318,11 @@ impl Flush for WorkFlush {
                 .map(|(_, indexes, specs)| (indexes, specs))
                 .unwrap_or_default();
             let (ended, first_leased) = self
-                .0
+                .store
                 .complete_and_lease(&tenant, items, &first_specs)
                 .await?;
             let others = futures::future::join_all(shapes.map(|(_, indexes, specs)| {
-                let store = &self.0;
+                let store = &self.store;
                 let tenant = &tenant;
                 async move { (indexes, store.lease(tenant, &specs).await) }
             }))
@@ -298,10 +343,19 @@ impl Flush for WorkFlush {
     }
 
     /// Jobs claimed for a caller that went away are not left to sit out
-    /// their lease.
+    /// their lease, and the attempts its outcomes ended are reported here,
+    /// as the caller would have.
     fn orphaned(&self, answer: Done) {
-        if let Done::Leased(Ok(jobs)) | Done::Both(_, Ok(jobs)) = answer {
-            handoff::give_back(&self.0, jobs);
+        let (ended, leased) = match answer {
+            Done::Leased(leased) => (Vec::new(), Some(leased)),
+            Done::Completed(ended) => (vec![*ended], None),
+            Done::Both(ended, leased) => (ended, Some(leased)),
+        };
+        for ended in ended.iter().flatten() {
+            self.observer.ended(ended);
+        }
+        if let Some(Ok(jobs)) = leased {
+            handoff::give_back(&self.store, jobs);
         }
     }
 }
