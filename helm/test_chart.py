@@ -12,6 +12,8 @@ import yaml
 
 CHART = pathlib.Path(__file__).parent / "intray"
 K8S_VERSION = "1.30.0"
+# The export timeout of the last traces, flushed after the drain (src/telemetry/otlp.rs).
+TRACE_FLUSH = 10
 failures = []
 
 
@@ -71,11 +73,22 @@ def check_ports_and_grace(docs, vals, what):
     grace = seconds(env.get("INTRAY_SHUTDOWN_GRACE") or "20s")
     delay = seconds(env.get("INTRAY_SHUTDOWN_DELAY") or "0s")
     check(seconds(env["INTRAY_RPC_TIMEOUT"]) <= grace
-          and delay + grace < pod["terminationGracePeriodSeconds"],
-          f"{what}: in-flight calls get the RPC timeout, and SIGKILL comes after the delay and the grace")
+          and delay + grace + TRACE_FLUSH <= pod["terminationGracePeriodSeconds"],
+          f"{what}: in-flight calls get the RPC timeout, and SIGKILL comes after the delay,"
+          " the grace and the traces' export")
     [svc] = kind(docs, "Service")
     targets = {p["name"]: p["targetPort"] for p in svc["spec"]["ports"]}
     check(targets == {"grpc": "grpc", "http": "http"}, f"{what}: the service exposes grpc and http")
+
+
+def render_fails(overrides):
+    """Whether the templates refuse these values (a `fail` in a template)."""
+    try:
+        with helm_python.Chart.load(CHART) as chart:
+            chart.render(overrides, name="intray", namespace="jobs", is_install=True)
+    except Exception as e:  # the SDK's error for a failed render
+        return "minAvailable" in str(e) or "replicaCount" in str(e)
+    return False
 
 
 def rejected(overrides):
@@ -149,6 +162,11 @@ def main():
           "inline URL and tokens go to the chart's Secret")
 
     check(rejected(dict(defaults, replicaCount=2)), "schema refuses SQLite with 2 replicas")
+    check(render_fails(dict(defaults, podDisruptionBudget={"enabled": True, "minAvailable": 1})),
+          "a PDB that would allow no eviction (minAvailable 1 of 1 replica) is refused")
+    check(not render_fails(dict(defaults, replicaCount=2, database={"existingSecret": "db"},
+                                podDisruptionBudget={"enabled": True, "minAvailable": 1})),
+          "a PDB of 1 of 2 replicas renders")
     check(rejected(dict(defaults, replicaCount=2, database={"url": "sqlite:///x.db"})),
           "schema refuses a SQLite URL with 2 replicas")
     check(not rejected(dict(defaults, replicaCount=2, database={"existingSecret": "db"})),
