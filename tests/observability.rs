@@ -38,7 +38,8 @@ backend_tests!(
     an_http_submit_is_traced_like_a_grpc_one,
     an_attempt_the_reaper_ends_has_its_span,
     metrics_show_the_jobs_made,
-    an_attempt_whose_complete_caller_left_is_still_reported
+    an_attempt_whose_complete_caller_left_is_still_reported,
+    a_call_its_client_gave_up_on_is_counted
 );
 
 // ---------------------------------------------------------------------------
@@ -631,6 +632,35 @@ async fn an_attempt_whose_complete_caller_left_is_still_reported(backend: Backen
     assert_eq!(attr(attempt, "job.outcome").as_deref(), Some("succeeded"));
     server.stop().await;
     tracing.shutdown().await;
+}
+
+/// A call whose client's deadline passes first is dropped by tonic before
+/// it answers; it is counted all the same, as `DEADLINE_EXCEEDED` (it was
+/// not counted at all, and its span ended without a status).
+async fn a_call_its_client_gave_up_on_is_counted(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut workers = server.workers_client("acme");
+    let mut request = tonic::Request::new(lease_req("w", "nothing", 1, Duration::from_secs(5)));
+    request.set_timeout(Duration::from_millis(300));
+    let status = workers
+        .lease(request)
+        .await
+        .expect_err("the long-poll outlasts the client's deadline");
+    assert!(
+        matches!(
+            status.code(),
+            tonic::Code::DeadlineExceeded | tonic::Code::Cancelled
+        ),
+        "{status:?}"
+    );
+    let counted = r#"intray_rpc_responses_total{method="/intray.v1.WorkerService/Lease",code="DEADLINE_EXCEEDED"}"#;
+    within(Duration::from_secs(10), "the call counted", async {
+        while parse(&scrape(server.http_addr).await).get(counted) != Some(&1.0) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    server.stop().await;
 }
 
 // ---------------------------------------------------------------------------

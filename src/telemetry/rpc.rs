@@ -9,7 +9,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, LazyLock};
 use std::task::{Context as TaskContext, Poll};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use opentelemetry::context::FutureExt as _;
 use opentelemetry::propagation::{Extractor, TextMapPropagator};
@@ -228,10 +228,17 @@ where
         };
         let cx = cx.unwrap_or_default();
         req.extensions_mut().insert(CallTrace(call_trace));
-        let metrics = Arc::clone(&self.metrics);
+        let mut record = Record {
+            metrics: Arc::clone(&self.metrics),
+            deadline: req.headers().get("grpc-timeout").and_then(grpc_timeout),
+            path,
+            started,
+            span: span_on.then(|| cx.clone()),
+            done: false,
+        };
         // Inside the call, the server span is the current OpenTelemetry
         // context, so `tracing` spans bridged to OpenTelemetry nest under it.
-        let call = self.inner.call(req).with_context(cx.clone());
+        let call = self.inner.call(req).with_context(cx);
         Box::pin(async move {
             let answer = call.await;
             // A unary error is a trailers-only response with the status in
@@ -247,23 +254,94 @@ where
                     .map_or(Code::Ok, Code::from_i32),
                 Err(_) => Code::Unknown,
             };
-            metrics.rpc(&path, &code_name(code), started.elapsed());
-            if span_on {
-                let span = cx.span();
-                span.set_attribute(KeyValue::new("rpc.grpc.status_code", code as i64));
-                if server_fault(code) {
-                    span.set_status(Status::error(code_name(code)));
-                }
-                span.end();
-            }
+            record.finish(code);
             answer
         })
     }
 }
 
+/// Counts a call and ends its span, once: when it answers, or when it is
+/// dropped unanswered (tonic drops the call when the client's deadline
+/// passes or the client resets the stream), then as `DEADLINE_EXCEEDED`
+/// past the client's `grpc-timeout`, else `CANCELLED`. Without this, such
+/// calls were never counted and their spans ended with no status.
+struct Record {
+    metrics: Arc<Metrics>,
+    path: String,
+    started: Instant,
+    /// The client's `grpc-timeout`.
+    deadline: Option<Duration>,
+    /// The server span, when tracing is on.
+    span: Option<Context>,
+    done: bool,
+}
+
+impl Record {
+    fn finish(&mut self, code: Code) {
+        if std::mem::replace(&mut self.done, true) {
+            return;
+        }
+        self.metrics
+            .rpc(&self.path, &code_name(code), self.started.elapsed());
+        if let Some(cx) = &self.span {
+            let span = cx.span();
+            span.set_attribute(KeyValue::new("rpc.grpc.status_code", code as i64));
+            if server_fault(code) {
+                span.set_status(Status::error(code_name(code)));
+            }
+            span.end();
+        }
+    }
+}
+
+impl Drop for Record {
+    fn drop(&mut self) {
+        let past_deadline = self
+            .deadline
+            .is_some_and(|deadline| self.started.elapsed() >= deadline);
+        self.finish(if past_deadline {
+            Code::DeadlineExceeded
+        } else {
+            Code::Cancelled
+        });
+    }
+}
+
+/// A `grpc-timeout` header: up to eight digits and a unit (`H`, `M`, `S`,
+/// `m`, `u`, `n`).
+fn grpc_timeout(value: &tonic::codegen::http::HeaderValue) -> Option<Duration> {
+    let value = value.to_str().ok()?;
+    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
+    if digits.is_empty() || digits.len() > 8 {
+        return None;
+    }
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn grpc_timeouts_are_read_in_their_units() {
+        use tonic::codegen::http::HeaderValue;
+        let read = |v: &'static str| grpc_timeout(&HeaderValue::from_static(v));
+        assert_eq!(read("200m"), Some(Duration::from_millis(200)));
+        assert_eq!(read("5S"), Some(Duration::from_secs(5)));
+        assert_eq!(read("1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(read("999999999S"), None, "nine digits");
+        assert_eq!(read("S"), None);
+        assert_eq!(read("5x"), None);
+    }
 
     #[test]
     fn code_names_are_the_canonical_ones() {
