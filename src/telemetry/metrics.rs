@@ -25,6 +25,12 @@ const RPC_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 30.0, 60.0,
 ];
 
+/// Most label sets one metric keeps (see [`Family::with`]).
+const MAX_SERIES: usize = 2000;
+/// The label value of the series that counts label sets beyond
+/// [`MAX_SERIES`].
+const OVERFLOW: &str = "_other";
+
 #[derive(Clone, Debug)]
 struct Histogram {
     bounds: &'static [f64],
@@ -77,9 +83,20 @@ impl<V: Clone> Family<V> {
         self.values.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Updates the series of `labels`. A family that already holds
+    /// [`MAX_SERIES`] series counts a new label set under [`OVERFLOW`] in
+    /// every label instead: queues, kinds and error classes are chosen by
+    /// callers, and each distinct one would otherwise stay in every
+    /// replica's memory, and in every scrape, for the process's life.
     fn with(&self, labels: &[&str], default: impl FnOnce() -> V, f: impl FnOnce(&mut V)) {
-        let key = labels.iter().map(|l| (*l).to_owned()).collect();
-        f(self.lock().entry(key).or_insert_with(default));
+        let key: Vec<String> = labels.iter().map(|l| (*l).to_owned()).collect();
+        let mut values = self.lock();
+        let key = if values.len() >= MAX_SERIES && !values.contains_key(&key) {
+            vec![OVERFLOW.to_owned(); labels.len()]
+        } else {
+            key
+        };
+        f(values.entry(key).or_insert_with(default));
     }
 
     fn snapshot(&self) -> Vec<(Vec<String>, V)> {
@@ -421,6 +438,28 @@ mod tests {
             "intray_rpc_responses_total{method=\"/intray.v1.JobService/Submit\",code=\"OK\"} 1"
         ));
         assert!(text.contains("# TYPE intray_jobs gauge"));
+    }
+
+    #[test]
+    fn label_sets_beyond_the_bound_are_counted_together() {
+        let m = Metrics::new();
+        for i in 0..MAX_SERIES + 100 {
+            m.attempt_ended("q", "k", "failed", &format!("class-{i}"), None);
+        }
+        m.attempt_ended("q", "k", "failed", "class-0", None);
+        let text = m.render();
+        let series = text
+            .lines()
+            .filter(|l| l.starts_with("intray_attempts_total{"))
+            .count();
+        assert_eq!(series, MAX_SERIES + 1, "the bound and one overflow series");
+        assert!(text.contains(
+            "intray_attempts_total{queue=\"_other\",kind=\"_other\",outcome=\"_other\",error_class=\"_other\"} 100"
+        ));
+        assert!(
+            text.contains("error_class=\"class-0\"} 2"),
+            "a series kept goes on counting"
+        );
     }
 
     #[test]
