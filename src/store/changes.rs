@@ -30,8 +30,10 @@ const MAX_PAYLOADS: usize = 32;
 pub struct Changes {
     queues: BTreeSet<String>,
     /// Tenants and queues where a job ended: under a running cap each end
-    /// frees a slot, and the queue's waiting workers may claim again.
-    ended: BTreeSet<(String, String)>,
+    /// frees a slot, and the queue's waiting workers may claim again. A
+    /// list looked through before each insert: a batch's jobs are nearly
+    /// always of one queue, and a completion then costs no allocation.
+    ended: Vec<(String, String)>,
     /// Changed jobs whose events are not in `events`: this replica's
     /// watchers of them read the database.
     jobs: Vec<Uuid>,
@@ -56,8 +58,13 @@ impl Changes {
     fn runnable(&mut self, job: &Job) {
         if job.state == JobState::Queued {
             self.queues.insert(queue_key(&job.tenant, &job.queue));
-        } else if job.state.is_terminal() {
-            self.ended.insert((job.tenant.clone(), job.queue.clone()));
+        } else if job.state.is_terminal()
+            && !self
+                .ended
+                .iter()
+                .any(|(tenant, queue)| *tenant == job.tenant && *queue == job.queue)
+        {
+            self.ended.push((job.tenant.clone(), job.queue.clone()));
         }
     }
 
@@ -119,7 +126,11 @@ impl Changes {
     /// Adds what another transaction changed, for the other replicas.
     pub fn merge(&mut self, other: Changes) {
         self.queues.extend(other.queues);
-        self.ended.extend(other.ended);
+        for ended in other.ended {
+            if !self.ended.contains(&ended) {
+                self.ended.push(ended);
+            }
+        }
         self.jobs.extend(other.jobs);
         self.events.extend(other.events);
     }

@@ -2663,12 +2663,7 @@ mod tests {
             .await
             .expect("open the store");
         let tenant = "default";
-        let mut holder = PgConnection::connect(&scratch.url).await.expect("connect");
-        let hold = pg_caps::begin_and_lock(Some(tenant), &["q".to_owned()]);
-        sqlx::raw_sql(sqlx::AssertSqlSafe(hold))
-            .execute(&mut holder)
-            .await
-            .expect("hold the lock of q");
+        let mut holder = scratch.hold_queue_lock(tenant, "q").await;
         let handed = store
             .submit_handing(
                 tenant,
@@ -2754,12 +2749,7 @@ mod tests {
             .into_iter()
             .collect::<StoreResult<Vec<_>>>()
             .expect("stored");
-        let mut holder = PgConnection::connect(&scratch.url).await.expect("connect");
-        let hold = pg_caps::begin_and_lock(Some(tenant), &["q".to_owned()]);
-        sqlx::raw_sql(sqlx::AssertSqlSafe(hold))
-            .execute(&mut holder)
-            .await
-            .expect("hold the lock of q");
+        let mut holder = scratch.hold_queue_lock(tenant, "q").await;
         let specs = [lease_spec("w", 1)];
         let claim = tokio::spawn({
             let store = Arc::new(store);
@@ -2999,12 +2989,7 @@ mod tests {
             .into_iter()
             .collect::<StoreResult<Vec<_>>>()
             .expect("both jobs stored");
-        let mut holder = PgConnection::connect(&scratch.url).await.expect("connect");
-        let hold = pg_caps::begin_and_lock(Some(tenant), &["q".to_owned()]);
-        sqlx::raw_sql(sqlx::AssertSqlSafe(hold))
-            .execute(&mut holder)
-            .await
-            .expect("hold the lock of q");
+        let mut holder = scratch.hold_queue_lock(tenant, "q").await;
 
         let from_r = LeaseSpec {
             queues: vec!["r".into()],
@@ -3655,6 +3640,18 @@ mod tests {
                 url,
                 dropped: false,
             }
+        }
+
+        /// A connection holding the claim lock of `tenant`'s `queue` (as a
+        /// capped claim takes it) in an open transaction.
+        async fn hold_queue_lock(&self, tenant: &str, queue: &str) -> PgConnection {
+            let mut holder = PgConnection::connect(&self.url).await.expect("connect");
+            let hold = pg_caps::begin_and_lock(Some(tenant), &[queue.to_owned()]);
+            sqlx::raw_sql(sqlx::AssertSqlSafe(hold))
+                .execute(&mut holder)
+                .await
+                .expect("hold the queue's lock");
+            holder
         }
 
         /// A store on this database with the default settings.
