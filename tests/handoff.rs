@@ -244,6 +244,30 @@ async fn batch_spreads_over_idle_workers(backend: Backend) {
     server.stop().await;
 }
 
+/// Opens a transaction on `holder` that gives job `id` the idempotency key
+/// `taken`: an insert with that key waits for the transaction's outcome.
+async fn take_key(holder: &mut sqlx::PgConnection, id: &str) {
+    sqlx::raw_sql("BEGIN")
+        .execute(&mut *holder)
+        .await
+        .expect("BEGIN");
+    sqlx::query("UPDATE jobs SET idempotency_key = 'taken' WHERE id = $1::uuid")
+        .bind(id)
+        .execute(&mut *holder)
+        .await
+        .expect("take the key");
+}
+
+/// Returns once a statement of the database waits on a lock.
+async fn waits_on_a_lock(watcher: &mut sqlx::PgConnection, what: &str) {
+    within(Duration::from_secs(10), what, async {
+        while lock_waiters(watcher).await == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+}
+
 /// A `SubmitBatch` runs to its end even when its caller goes away while it
 /// waits on the database: it may commit jobs leased to parked `Lease`
 /// calls, and those calls must get them rather than hold them, unknown to
@@ -263,28 +287,14 @@ async fn a_batch_whose_caller_left_still_reaches_the_idle_worker() {
     let waiter = wait_for_jobs(&server, "idle", "left", &[], Duration::from_secs(20));
     tokio::time::sleep(PARK).await;
 
-    let mut held = holder.begin().await.expect("BEGIN");
-    sqlx::query("UPDATE jobs SET idempotency_key = 'taken' WHERE id = $1::uuid")
-        .bind(&other.id)
-        .execute(&mut *held)
-        .await
-        .expect("take the key");
+    take_key(&mut holder, &other.id).await;
     let caller = tokio::spawn(async move {
         let mut job = submit_req("left", "k", json!({ "i": 1 }));
         job.idempotency_key = "taken".into();
         jobs.submit_batch(pb::SubmitBatchRequest { jobs: vec![job] })
             .await
     });
-    within(
-        Duration::from_secs(10),
-        "the batch waits for the key",
-        async {
-            while lock_waiters(&mut watcher).await == 0 {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        },
-    )
-    .await;
+    waits_on_a_lock(&mut watcher, "the batch waits for the key").await;
     caller.abort();
     assert!(
         caller.await.is_err_and(|e| e.is_cancelled()),
@@ -294,7 +304,10 @@ async fn a_batch_whose_caller_left_still_reaches_the_idle_worker() {
     // on. Were the batch dropped with its call, it would roll back and the
     // worker would get nothing.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    held.rollback().await.expect("ROLLBACK");
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut holder)
+        .await
+        .expect("ROLLBACK");
 
     let leased = within(Duration::from_secs(10), "the idle worker's Lease", waiter)
         .await
@@ -325,27 +338,13 @@ async fn a_lease_reserved_by_a_stalled_submit_ends_near_its_wait() {
     let waiter = wait_for_jobs(&server, "idle", "stalled", &[], Duration::from_secs(2));
     tokio::time::sleep(PARK).await;
 
-    let mut held = holder.begin().await.expect("BEGIN");
-    sqlx::query("UPDATE jobs SET idempotency_key = 'taken' WHERE id = $1::uuid")
-        .bind(&other.id)
-        .execute(&mut *held)
-        .await
-        .expect("take the key");
+    take_key(&mut holder, &other.id).await;
     let submitter = tokio::spawn(async move {
         let mut job = submit_req("stalled", "k", json!({ "i": 1 }));
         job.idempotency_key = "taken".into();
         jobs.submit(job).await
     });
-    within(
-        Duration::from_secs(10),
-        "the submit waits for the key",
-        async {
-            while lock_waiters(&mut watcher).await == 0 {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        },
-    )
-    .await;
+    waits_on_a_lock(&mut watcher, "the submit waits for the key").await;
     // Its 2 s wait and the 1 s grace, not the other transaction's length.
     let leased = within(
         Duration::from_secs(8),
@@ -356,7 +355,10 @@ async fn a_lease_reserved_by_a_stalled_submit_ends_near_its_wait() {
     .expect("waiter task");
     assert!(leased.is_empty(), "nothing was handed over: {leased:?}");
 
-    held.rollback().await.expect("ROLLBACK");
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut holder)
+        .await
+        .expect("ROLLBACK");
     let stored = submitter
         .await
         .expect("submit task")

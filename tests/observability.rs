@@ -545,6 +545,27 @@ async fn an_attempt_the_reaper_ends_has_its_span(backend: Backend) {
     tracing.shutdown().await;
 }
 
+/// The status a client sees when its own deadline ends its call.
+fn gave_up(status: tonic::Status) {
+    assert!(
+        matches!(
+            status.code(),
+            tonic::Code::DeadlineExceeded | tonic::Code::Cancelled
+        ),
+        "{status:?}"
+    );
+}
+
+/// Scrapes `/metrics` until the series `key` is 1.
+async fn counted_once(server: &TestServer, key: &str, what: &str) {
+    within(Duration::from_secs(10), what, async {
+        while parse(&scrape(server.http_addr).await).get(key) != Some(&1.0) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+}
+
 /// A `Complete` whose caller gives up (its deadline passes) while the
 /// outcome waits for the database still ends the attempt once it commits,
 /// and the attempt is reported as any other: its span and its metrics.
@@ -602,27 +623,17 @@ async fn an_attempt_whose_complete_caller_left_is_still_reported(backend: Backen
     };
     let mut request = tonic::Request::new(success_req(&leased, json!({"ok": true})));
     request.set_timeout(Duration::from_millis(300));
-    let status = workers
-        .complete(request)
-        .await
-        .expect_err("the caller gives up first");
-    assert!(
-        matches!(
-            status.code(),
-            tonic::Code::DeadlineExceeded | tonic::Code::Cancelled
-        ),
-        "{status:?}"
+    gave_up(
+        workers
+            .complete(request)
+            .await
+            .expect_err("the caller gives up first"),
     );
     release().await;
 
     let attempts =
         r#"intray_attempts_total{queue="gone",kind="k",outcome="succeeded",error_class=""}"#;
-    within(Duration::from_secs(10), "the attempt counted", async {
-        while parse(&scrape(server.http_addr).await).get(attempts) != Some(&1.0) {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await;
+    counted_once(&server, attempts, "the attempt counted").await;
     collector
         .until(&tracing, "the attempt's span", |spans| {
             attempts_in(spans, &trace_id).len() == 1
@@ -642,24 +653,14 @@ async fn a_call_its_client_gave_up_on_is_counted(backend: Backend) {
     let mut workers = server.workers_client("acme");
     let mut request = tonic::Request::new(lease_req("w", "nothing", 1, Duration::from_secs(5)));
     request.set_timeout(Duration::from_millis(300));
-    let status = workers
-        .lease(request)
-        .await
-        .expect_err("the long-poll outlasts the client's deadline");
-    assert!(
-        matches!(
-            status.code(),
-            tonic::Code::DeadlineExceeded | tonic::Code::Cancelled
-        ),
-        "{status:?}"
+    gave_up(
+        workers
+            .lease(request)
+            .await
+            .expect_err("the long-poll outlasts the client's deadline"),
     );
     let counted = r#"intray_rpc_responses_total{method="/intray.v1.WorkerService/Lease",code="DEADLINE_EXCEEDED"}"#;
-    within(Duration::from_secs(10), "the call counted", async {
-        while parse(&scrape(server.http_addr).await).get(counted) != Some(&1.0) {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await;
+    counted_once(&server, counted, "the call counted").await;
     server.stop().await;
 }
 

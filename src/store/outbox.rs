@@ -212,6 +212,14 @@ impl PgOutbox {
     }
 }
 
+/// A delivery's receiver in SQL: the URL's authority (`host:port`),
+/// lower-cased; [`sqlite_receiver`] is SQLite's.
+macro_rules! pg_receiver {
+    () => {
+        "coalesce(lower(substring(url from '^[^:/?#]*://([^/?#]*)')), '')"
+    };
+}
+
 /// The columns of a [`Delivery`], as a literal for `concat!`.
 macro_rules! columns {
     () => {
@@ -252,13 +260,16 @@ impl Outbox for PgOutbox {
             .unzip();
         // Candidates are locked, the chosen ones pushed forward; the rest
         // are unlocked at the commit, untouched.
-        let rows = sqlx::query(
+        let rows = sqlx::query(concat!(
             "WITH candidates AS (
-                 SELECT webhook_id, next_attempt_at,
-                        coalesce(lower(substring(url from '^[^:/?#]*://([^/?#]*)')), '') AS receiver
+                 SELECT webhook_id, next_attempt_at, ",
+            pg_receiver!(),
+            " AS receiver
                  FROM webhook_deliveries
                  WHERE status = 'pending' AND next_attempt_at <= now()
-                   AND coalesce(lower(substring(url from '^[^:/?#]*://([^/?#]*)')), '') <> ALL($3)
+                   AND ",
+            pg_receiver!(),
+            " <> ALL($3)
                  ORDER BY next_attempt_at LIMIT $4
                  FOR UPDATE SKIP LOCKED),
              chosen AS (
@@ -277,7 +288,7 @@ impl Outbox for PgOutbox {
              RETURNING chosen.receiver, d.webhook_id, d.job_id, d.tenant, d.sequence,
                        d.event_type, d.url, d.status, d.attempts, d.created_at,
                        d.last_attempt_at, d.last_status, d.last_error, d.next_attempt_at",
-        )
+        ))
         .bind(i64::from(limit))
         .bind(millis(hold))
         .bind(load.full())
