@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
+use futures::future::BoxFuture;
 use serde_json::Value;
 use sqlx::postgres::{PgListener, PgPool, PgPoolOptions, PgRow};
 use sqlx::types::Json;
@@ -1193,6 +1194,12 @@ fn pairs(owned: &[(Job, JobEvent)]) -> Vec<(&Job, &JobEvent)> {
     owned.iter().map(|(job, event)| (job, event)).collect()
 }
 
+/// How many more times a submit inserts an item whose key holder retention
+/// deleted between the insert and its read. A new holder is a fresh job,
+/// which retention does not delete, so one round is all it takes in
+/// practice; the bound only keeps a misbehaving database from looping.
+const RESUBMITS: u32 = 3;
+
 /// The shortest time between two notifications from one replica. What
 /// commits meanwhile waits and goes into the next one: under load that is
 /// one NOTIFY per gap rather than one per shared transaction (about 530 a
@@ -1592,6 +1599,204 @@ impl PgStore {
         }
     }
 
+    /// `submit_handing`, with `rounds` more inserts for items whose key
+    /// holder retention deletes before it is read.
+    async fn submit_rounds(
+        &self,
+        tenant: &str,
+        jobs: Vec<NewJob>,
+        handoffs: Vec<Option<Handoff>>,
+        rounds: u32,
+    ) -> StoreResult<Vec<StoreResult<Submitted>>> {
+        let n = jobs.len();
+        // Running caps are counted by the claim; a job under one is never
+        // handed off.
+        let handoff = |i: usize| {
+            handoffs
+                .get(i)
+                .and_then(Option::as_ref)
+                .filter(|_| jobs.get(i).is_some_and(|j| !self.caps.covers(&j.queue)))
+        };
+        let handoff_workers: Vec<Option<&str>> = (0..n)
+            .map(|i| handoff(i).map(|h| h.worker_id.as_str()))
+            .collect();
+        let handoff_lease_ms: Vec<Option<i64>> = (0..n)
+            .map(|i| handoff(i).map(|h| millis(h.lease_duration)))
+            .collect();
+        let ids: Vec<Uuid> = jobs.iter().map(|_| Uuid::now_v7()).collect();
+        let mut max_attempts = Vec::with_capacity(n);
+        let mut initial = Vec::with_capacity(n);
+        let mut max = Vec::with_capacity(n);
+        for new in &jobs {
+            max_attempts
+                .push(i32::try_from(new.max_attempts).map_err(|_| corrupt("max_attempts"))?);
+            initial.push(millis(new.backoff.initial()));
+            max.push(millis(new.backoff.max()));
+        }
+        let column = |f: fn(&NewJob) -> Option<&str>| jobs.iter().map(f).collect::<Vec<_>>();
+        // All items in one statement, in order, committed on its own (no
+        // BEGIN and COMMIT round trips around it); a key already taken (also
+        // by an earlier item of this statement) inserts nothing and is
+        // answered below from the row that holds it.
+        let hands_off = handoff_workers.iter().any(Option::is_some);
+        let statement = if hands_off { SUBMIT_HANDING } else { SUBMIT };
+        let query = sqlx::query(statement)
+            .bind(tenant)
+            .bind(&ids)
+            .bind(jobs.iter().map(|j| j.queue.as_str()).collect::<Vec<_>>())
+            .bind(jobs.iter().map(|j| j.kind.as_str()).collect::<Vec<_>>())
+            .bind(jobs.iter().map(|j| Json(&j.payload)).collect::<Vec<_>>())
+            .bind(&max_attempts)
+            .bind(jobs.iter().map(|j| j.priority).collect::<Vec<_>>())
+            .bind(column(|j| j.idempotency_key.as_deref()))
+            .bind(
+                jobs.iter()
+                    .map(|j| j.input_hash.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(jobs.iter().map(|j| Json(&j.labels)).collect::<Vec<_>>())
+            .bind(jobs.iter().map(|j| j.run_at).collect::<Vec<_>>())
+            .bind(jobs.iter().map(|j| j.deadline).collect::<Vec<_>>())
+            .bind(&initial)
+            .bind(&max)
+            .bind(column(|j| j.callback_url.as_deref()))
+            .bind(jobs.iter().map(|j| j.max_cost_cents).collect::<Vec<_>>())
+            .bind(column(|j| j.trace_parent.as_deref()))
+            .bind(&handoff_workers)
+            .bind(&handoff_lease_ms);
+        // A submit that hands off runs on the planned connections:
+        // PostgreSQL kept planning the hand-off's guard afresh (0.6 ms,
+        // twice what running it costs), and as for the claim, a plan made on
+        // stale statistics must not sort: it sorted a million queued jobs
+        // per probe (350-400 ms) where the claim index gives them in order
+        // (0.5-1.8 ms). A plain submit has no guard to plan; on those
+        // connections, without sqlx's release ping, it ran 7 % slower at 16
+        // in flight (docs/performance-log.md, "Changes of 2026-12-05").
+        let rows = if hands_off {
+            let mut conn = self.planned.acquire().await?;
+            let rows = query.fetch_all(&mut *conn).await?;
+            conn.finish();
+            rows
+        } else {
+            query.fetch_all(&self.pool).await?
+        };
+        // The statement has committed: from here on nothing may fail the
+        // call as a whole. Its callers would be told that jobs which are
+        // stored were not, and a caller retrying without a key would store
+        // its job twice. A row that cannot be read, or a holder read that
+        // fails, fails only the items it answers.
+        let mut created: HashMap<Uuid, StoreResult<Job>> = HashMap::with_capacity(rows.len());
+        for row in &rows {
+            let id: Uuid = match row.try_get("id") {
+                Ok(id) => id,
+                Err(err) => {
+                    tracing::error!(error = %err, "a submitted row without its id");
+                    continue;
+                }
+            };
+            let job = job_from_row(row);
+            if let Ok(job) = &job
+                && job.state == JobState::Running
+            {
+                self.keep_leased(row, job);
+            }
+            created.insert(id, job);
+        }
+        // Keys that were taken: committed before the insert returned (a
+        // concurrent insert of the same key is waited for), so readable now.
+        let mut changes = Changes::default();
+        let mut results: Vec<Option<StoreResult<Submitted>>> = Vec::with_capacity(n);
+        let mut taken = Vec::new();
+        for (i, (new, id)) in jobs.iter().zip(&ids).enumerate() {
+            results.push(match created.remove(id) {
+                Some(job) => Some(job.map(|job| {
+                    changes.submitted(&job);
+                    Submitted { job, created: true }
+                })),
+                None => match new.idempotency_key.as_deref() {
+                    Some(key) => {
+                        taken.push((i, key, new));
+                        None
+                    }
+                    None => Some(Err(StoreError::Internal(
+                        "the submitted job cannot be read back".into(),
+                    ))),
+                },
+            });
+        }
+        self.committed(changes);
+        for (i, answer) in self.answer_taken(tenant, &taken, rounds).await {
+            results[i] = Some(answer);
+        }
+        Ok(results
+            .into_iter()
+            .map(|r| {
+                r.unwrap_or_else(|| Err(StoreError::Internal("an item went unanswered".into())))
+            })
+            .collect())
+    }
+
+    /// Answers the items whose key another job held when their insert ran,
+    /// from the row that holds it. Where retention deleted that row between
+    /// the insert and this read, the key is free again and the item is
+    /// inserted anew, at most `rounds` more times: a caller resubmitting
+    /// under its key must not be told to try again for the server's race.
+    fn answer_taken<'a>(
+        &'a self,
+        tenant: &'a str,
+        taken: &'a [(usize, &'a str, &'a NewJob)],
+        rounds: u32,
+    ) -> BoxFuture<'a, Vec<(usize, StoreResult<Submitted>)>> {
+        Box::pin(async move {
+            if taken.is_empty() {
+                return Vec::new();
+            }
+            let keys: Vec<&str> = taken.iter().map(|&(_, key, _)| key).collect();
+            let holders = match self.key_holders(tenant, &keys).await {
+                Ok(holders) => holders,
+                Err(err) => return taken.iter().map(|&(i, ..)| (i, Err(err.clone()))).collect(),
+            };
+            let mut answers = Vec::with_capacity(taken.len());
+            let mut vanished = Vec::new();
+            for &(i, key, new) in taken {
+                answers.push((
+                    i,
+                    match holders.get(key) {
+                        None => {
+                            vanished.push((i, new));
+                            continue;
+                        }
+                        Some(Err(err)) => Err(err.clone()),
+                        Some(Ok(holder)) if holder.input_hash == new.input_hash => Ok(Submitted {
+                            job: holder.clone(),
+                            created: false,
+                        }),
+                        Some(Ok(_)) => Err(StoreError::IdempotencyConflict),
+                    },
+                ));
+            }
+            if vanished.is_empty() {
+                return answers;
+            }
+            let again = match rounds.checked_sub(1) {
+                Some(left) => {
+                    let jobs = vanished.iter().map(|&(_, new)| new.clone()).collect();
+                    self.submit_rounds(tenant, jobs, vec![None; vanished.len()], left)
+                        .await
+                }
+                None => Err(StoreError::Internal(
+                    "the job holding this idempotency key was deleted meanwhile; submit again"
+                        .into(),
+                )),
+            };
+            match again {
+                Ok(results) => answers.extend(vanished.iter().map(|&(i, _)| i).zip(results)),
+                Err(err) => answers.extend(vanished.iter().map(|&(i, _)| (i, Err(err.clone())))),
+            }
+            answers
+        })
+    }
+
     /// The jobs holding idempotency `keys`, by key; a holder row that
     /// cannot be read answers only its own key.
     async fn key_holders(
@@ -1777,152 +1982,7 @@ impl Store for PgStore {
         jobs: Vec<NewJob>,
         handoffs: Vec<Option<Handoff>>,
     ) -> StoreResult<Vec<StoreResult<Submitted>>> {
-        let n = jobs.len();
-        // Running caps are counted by the claim; a job under one is never
-        // handed off.
-        let handoff = |i: usize| {
-            handoffs
-                .get(i)
-                .and_then(Option::as_ref)
-                .filter(|_| jobs.get(i).is_some_and(|j| !self.caps.covers(&j.queue)))
-        };
-        let handoff_workers: Vec<Option<&str>> = (0..n)
-            .map(|i| handoff(i).map(|h| h.worker_id.as_str()))
-            .collect();
-        let handoff_lease_ms: Vec<Option<i64>> = (0..n)
-            .map(|i| handoff(i).map(|h| millis(h.lease_duration)))
-            .collect();
-        let ids: Vec<Uuid> = jobs.iter().map(|_| Uuid::now_v7()).collect();
-        let mut max_attempts = Vec::with_capacity(n);
-        let mut initial = Vec::with_capacity(n);
-        let mut max = Vec::with_capacity(n);
-        for new in &jobs {
-            max_attempts
-                .push(i32::try_from(new.max_attempts).map_err(|_| corrupt("max_attempts"))?);
-            initial.push(millis(new.backoff.initial()));
-            max.push(millis(new.backoff.max()));
-        }
-        let column = |f: fn(&NewJob) -> Option<&str>| jobs.iter().map(f).collect::<Vec<_>>();
-        // All items in one statement, in order, committed on its own (no
-        // BEGIN and COMMIT round trips around it); a key already taken (also
-        // by an earlier item of this statement) inserts nothing and is
-        // answered below from the row that holds it.
-        let hands_off = handoff_workers.iter().any(Option::is_some);
-        let statement = if hands_off { SUBMIT_HANDING } else { SUBMIT };
-        let query = sqlx::query(statement)
-            .bind(tenant)
-            .bind(&ids)
-            .bind(jobs.iter().map(|j| j.queue.as_str()).collect::<Vec<_>>())
-            .bind(jobs.iter().map(|j| j.kind.as_str()).collect::<Vec<_>>())
-            .bind(jobs.iter().map(|j| Json(&j.payload)).collect::<Vec<_>>())
-            .bind(&max_attempts)
-            .bind(jobs.iter().map(|j| j.priority).collect::<Vec<_>>())
-            .bind(column(|j| j.idempotency_key.as_deref()))
-            .bind(
-                jobs.iter()
-                    .map(|j| j.input_hash.as_str())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(jobs.iter().map(|j| Json(&j.labels)).collect::<Vec<_>>())
-            .bind(jobs.iter().map(|j| j.run_at).collect::<Vec<_>>())
-            .bind(jobs.iter().map(|j| j.deadline).collect::<Vec<_>>())
-            .bind(&initial)
-            .bind(&max)
-            .bind(column(|j| j.callback_url.as_deref()))
-            .bind(jobs.iter().map(|j| j.max_cost_cents).collect::<Vec<_>>())
-            .bind(column(|j| j.trace_parent.as_deref()))
-            .bind(&handoff_workers)
-            .bind(&handoff_lease_ms);
-        // A submit that hands off runs on the planned connections:
-        // PostgreSQL kept planning the hand-off's guard afresh (0.6 ms,
-        // twice what running it costs), and as for the claim, a plan made on
-        // stale statistics must not sort: it sorted a million queued jobs
-        // per probe (350-400 ms) where the claim index gives them in order
-        // (0.5-1.8 ms). A plain submit has no guard to plan; on those
-        // connections, without sqlx's release ping, it ran 7 % slower at 16
-        // in flight (docs/performance-log.md, "Changes of 2026-12-05").
-        let rows = if hands_off {
-            let mut conn = self.planned.acquire().await?;
-            let rows = query.fetch_all(&mut *conn).await?;
-            conn.finish();
-            rows
-        } else {
-            query.fetch_all(&self.pool).await?
-        };
-        // The statement has committed: from here on nothing may fail the
-        // call as a whole. Its callers would be told that jobs which are
-        // stored were not, and a caller retrying without a key would store
-        // its job twice. A row that cannot be read, or a holder read that
-        // fails, fails only the items it answers.
-        let mut created: HashMap<Uuid, StoreResult<Job>> = HashMap::with_capacity(rows.len());
-        for row in &rows {
-            let id: Uuid = match row.try_get("id") {
-                Ok(id) => id,
-                Err(err) => {
-                    tracing::error!(error = %err, "a submitted row without its id");
-                    continue;
-                }
-            };
-            let job = job_from_row(row);
-            if let Ok(job) = &job
-                && job.state == JobState::Running
-            {
-                self.keep_leased(row, job);
-            }
-            created.insert(id, job);
-        }
-        // Keys that were taken: committed before the insert returned (a
-        // concurrent insert of the same key is waited for), so readable now.
-        let taken: Vec<&str> = jobs
-            .iter()
-            .zip(&ids)
-            .filter(|(_, id)| !created.contains_key(id))
-            .filter_map(|(new, _)| new.idempotency_key.as_deref())
-            .collect();
-        let holders = if taken.is_empty() {
-            Ok(HashMap::new())
-        } else {
-            self.key_holders(tenant, &taken).await
-        };
-        let mut changes = Changes::default();
-        let mut results = Vec::with_capacity(n);
-        for (new, id) in jobs.iter().zip(&ids) {
-            if let Some(job) = created.remove(id) {
-                results.push(job.map(|job| {
-                    changes.submitted(&job);
-                    Submitted { job, created: true }
-                }));
-                continue;
-            }
-            let Some(key) = new.idempotency_key.as_deref() else {
-                results.push(Err(StoreError::Internal(
-                    "the submitted job cannot be read back".into(),
-                )));
-                continue;
-            };
-            let holder = match &holders {
-                Ok(holders) => holders.get(key),
-                Err(err) => {
-                    results.push(Err(err.clone()));
-                    continue;
-                }
-            };
-            results.push(match holder {
-                // Deleted (retention) between the insert and the read.
-                None => Err(StoreError::Internal(
-                    "the job holding this idempotency key was deleted meanwhile; submit again"
-                        .into(),
-                )),
-                Some(Err(err)) => Err(err.clone()),
-                Some(Ok(holder)) if holder.input_hash == new.input_hash => Ok(Submitted {
-                    job: holder.clone(),
-                    created: false,
-                }),
-                Some(Ok(_)) => Err(StoreError::IdempotencyConflict),
-            });
-        }
-        self.committed(changes);
-        Ok(results)
+        self.submit_rounds(tenant, jobs, handoffs, RESUBMITS).await
     }
 
     #[tracing::instrument(name = "store.get", skip_all, fields(job_id = %id))]
@@ -3486,24 +3546,34 @@ mod tests {
         scratch.drop().await;
     }
 
-    /// An item whose idempotency key's holder is deleted between the insert
-    /// and the read of holders fails alone; the others are answered.
+    /// An item whose idempotency key's holder is deleted (by retention)
+    /// between the insert and the read of holders is inserted again, since
+    /// its key is free: the caller gets a new job, not an error. Before, it
+    /// was answered INTERNAL ("submit again").
     #[tokio::test]
-    async fn a_holder_deleted_meanwhile_fails_only_its_item() {
+    async fn a_holder_deleted_meanwhile_gives_its_key_to_the_resubmit() {
         let scratch = Scratch::new("intray_holder_gone").await;
         let store = scratch.store().await;
         let mut keyed = new_job();
         keyed.idempotency_key = Some("doomed".into());
-        store
+        let holder = store
             .submit("default", vec![keyed.clone()])
             .await
-            .expect("submit the holder");
-        // Retention, played by a trigger: the holder goes within the
-        // insert that found its key taken.
+            .expect("submit the holder")
+            .remove(0)
+            .expect("stored")
+            .job;
+        // Retention, played by a one-shot trigger: the holder goes within
+        // the insert that found its key taken.
         let mut db = PgConnection::connect(&scratch.url).await.expect("connect");
         sqlx::raw_sql(
-            "CREATE FUNCTION doom() RETURNS trigger LANGUAGE plpgsql AS $$
-             BEGIN DELETE FROM jobs WHERE idempotency_key = 'doomed'; RETURN NULL; END $$;
+            "CREATE TABLE doom_once (x int); INSERT INTO doom_once VALUES (1);
+             CREATE FUNCTION doom() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 DELETE FROM doom_once;
+                 IF FOUND THEN DELETE FROM jobs WHERE idempotency_key = 'doomed'; END IF;
+                 RETURN NULL;
+             END $$;
              CREATE TRIGGER doom AFTER INSERT ON jobs
                  FOR EACH STATEMENT EXECUTE FUNCTION doom();",
         )
@@ -3515,10 +3585,16 @@ mod tests {
             .await
             .expect("the call is answered");
         assert!(matches!(&results[0], Ok(Submitted { created: true, .. })));
-        assert!(
-            matches!(&results[1], Err(StoreError::Internal(_))),
-            "{results:?}"
-        );
+        let Ok(Submitted { created: true, job }) = &results[1] else {
+            panic!("the resubmit is stored afresh: {results:?}");
+        };
+        assert_ne!(job.id, holder.id);
+        let stored: Vec<Uuid> =
+            sqlx::query_scalar("SELECT id FROM jobs WHERE idempotency_key = 'doomed'")
+                .fetch_all(&mut db)
+                .await
+                .expect("read the key's holder");
+        assert_eq!(stored, vec![job.id], "the new holder, once");
         drop(store);
         scratch.drop().await;
     }
