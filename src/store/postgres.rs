@@ -217,6 +217,11 @@ fn event_from_row(row: &PgRow) -> StoreResult<JobEvent> {
 /// running it); one that does materialises the condition, or every use of
 /// `handed` would run the guard again, and returns with each row what
 /// keeping a handed-off job for its `Complete` needs (`$kept`).
+///
+/// Rows go in in key order (request order among equal keys and keyless
+/// items): an insert waits for a concurrent one holding its key, so two
+/// submits taking shared keys in different orders would deadlock, and
+/// PostgreSQL would fail one of them whole.
 macro_rules! submit_statement {
     ($materialized:literal, $handed:literal, $kept:literal) => {
         concat!(
@@ -247,7 +252,7 @@ macro_rules! submit_statement {
                                                 COALESCE(deadline, 'infinity'::timestamptz)) END,
                     CASE WHEN handed THEN now() END, CASE WHEN handed THEN now() END,
                     CASE WHEN handed THEN lease_ms END
-                FROM placed ORDER BY ord
+                FROM placed ORDER BY idempotency_key NULLS LAST, ord
                 ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
                 RETURNING *", $kept, "
              ), ev AS (
@@ -1634,7 +1639,7 @@ impl PgStore {
             max.push(millis(new.backoff.max()));
         }
         let column = |f: fn(&NewJob) -> Option<&str>| jobs.iter().map(f).collect::<Vec<_>>();
-        // All items in one statement, in order, committed on its own (no
+        // All items in one statement, in key order, committed on its own (no
         // BEGIN and COMMIT round trips around it); a key already taken (also
         // by an earlier item of this statement) inserts nothing and is
         // answered below from the row that holds it.
@@ -3595,6 +3600,65 @@ mod tests {
                 .await
                 .expect("read the key's holder");
         assert_eq!(stored, vec![job.id], "the new holder, once");
+        drop(store);
+        scratch.drop().await;
+    }
+
+    /// Submits take their keys in one order, the keys' own: a batch
+    /// inserting in request order held `k2` while it waited for `k1`, and a
+    /// submit elsewhere holding `k1` and then inserting `k2` closed the
+    /// cycle. PostgreSQL broke the deadlock after a second by failing one
+    /// of them whole (UNAVAILABLE), neighbours included; SQLite, one
+    /// writer, answered both.
+    #[tokio::test]
+    async fn submits_sharing_keys_in_different_orders_do_not_deadlock() {
+        let scratch = Scratch::new("intray_key_order").await;
+        let store = Arc::new(scratch.store().await);
+        let tenant = "default";
+        let plain: Vec<Uuid> = store
+            .submit(tenant, vec![new_job(), new_job()])
+            .await
+            .expect("submit")
+            .into_iter()
+            .map(|s| s.expect("stored").job.id)
+            .collect();
+        // Another submit, in key order: `k1` taken, not yet committed.
+        let mut other = PgConnection::connect(&scratch.url).await.expect("connect");
+        let mut open = other.begin().await.expect("begin");
+        let take = "UPDATE jobs SET idempotency_key = $1 WHERE id = $2";
+        sqlx::query(take)
+            .bind("k1")
+            .bind(plain[0])
+            .execute(&mut *open)
+            .await
+            .expect("take k1");
+        let keyed = |key: &str| {
+            let mut job = new_job();
+            job.idempotency_key = Some(key.into());
+            job
+        };
+        let batch = tokio::spawn({
+            let store = Arc::clone(&store);
+            let jobs = vec![keyed("k2"), keyed("k1")];
+            async move { store.submit(tenant, jobs).await }
+        });
+        await_lock_waiters(&scratch.url, 1).await;
+        sqlx::query(take)
+            .bind("k2")
+            .bind(plain[1])
+            .execute(&mut *open)
+            .await
+            .expect("take k2 (a deadlock victim fails here)");
+        open.commit().await.expect("commit");
+        let results = batch
+            .await
+            .expect("the batch's task")
+            .expect("the batch is answered (a deadlock victim fails here)");
+        let answered: Vec<(Uuid, bool)> = results
+            .into_iter()
+            .map(|r| r.map(|s| (s.job.id, s.created)).expect("an item"))
+            .collect();
+        assert_eq!(answered, [(plain[1], false), (plain[0], false)]);
         drop(store);
         scratch.drop().await;
     }
