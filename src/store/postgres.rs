@@ -1217,7 +1217,10 @@ const ANNOUNCE_GAP: Duration = Duration::from_millis(5);
 /// commits: whatever committed while the previous NOTIFY was in flight, or
 /// within [`ANNOUNCE_GAP`] of it, goes into the next one. A notification is
 /// only a hint (replicas also re-read on a timer), so one lost in a crash
-/// costs latency, never a job.
+/// costs latency, never a job. On `stop` (the store dropped, at shutdown)
+/// what committed and is not yet sent goes out in a last one: the calls
+/// finished during the shutdown grace would otherwise reach other
+/// replicas' watchers only at their fallback poll.
 async fn announce(
     planned: Arc<HotPool>,
     origin: Uuid,
@@ -1226,23 +1229,31 @@ async fn announce(
 ) {
     let mut next_at = tokio::time::Instant::now();
     loop {
-        let mut changes = tokio::select! {
-            () = stop.cancelled() => return,
+        let (mut changes, mut stopping) = tokio::select! {
+            biased;
             next = committed.recv() => match next {
-                Some(changes) => changes,
+                Some(changes) => (changes, false),
                 None => return,
             },
+            () = stop.cancelled() => (Changes::default(), true),
         };
-        tokio::select! {
-            () = stop.cancelled() => return,
-            () = tokio::time::sleep_until(next_at) => {}
+        if !stopping {
+            stopping = tokio::select! {
+                () = stop.cancelled() => true,
+                () = tokio::time::sleep_until(next_at) => false,
+            };
         }
         while let Ok(more) = committed.try_recv() {
             changes.merge(more);
         }
         next_at = tokio::time::Instant::now() + ANNOUNCE_GAP;
-        if let Err(err) = notify(&planned, origin, &changes).await {
+        if !changes.is_empty()
+            && let Err(err) = notify(&planned, origin, &changes).await
+        {
             tracing::warn!(error = %err, "could not notify other replicas; they will poll");
+        }
+        if stopping {
+            return;
         }
     }
 }
@@ -1301,12 +1312,14 @@ impl PgStore {
             super::breakers_cleared(cleared.rows_affected());
         }
         let listener_stop = CancellationToken::new();
-        let mut listener = PgListener::connect_with(&pool).await?;
-        listener.listen(CHANNEL).await?;
+        // Listening before the store opens: a replica that cannot would
+        // miss every other replica's changes until its fallback polls.
+        let listener = new_listener(&pool).await?;
         // Names this replica in its notifications, so it can skip its own.
         let origin = Uuid::new_v4();
         tokio::spawn(listen(
             listener,
+            pool.clone(),
             origin,
             Arc::clone(&notifier),
             listener_stop.clone(),
@@ -1951,31 +1964,61 @@ impl PgStore {
 }
 
 /// Forwards other replicas' NOTIFY payloads to the local notifier until
-/// `stop` fires, skipping those this replica (`own`) sent. On a lost
-/// connection everything is woken, since messages may have been missed
-/// meanwhile; `PgListener` reconnects on the next `recv`.
+/// `stop` fires, skipping those this replica (`own`) sent. Notifications
+/// sent while the connection was down are lost, so everything is woken
+/// once the `LISTEN` is back: sqlx reconnects and listens again by itself
+/// on most losses (`try_recv` then answers `None`); after any other error
+/// the listener, whose connection sqlx keeps, is replaced here first.
 async fn listen(
-    mut listener: PgListener,
+    listener: PgListener,
+    pool: PgPool,
     own: Uuid,
     notifier: Arc<Notifier>,
     stop: CancellationToken,
 ) {
+    let mut listener = Some(listener);
     loop {
+        let Some(current) = listener.as_mut() else {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                fresh = listen_again(&pool) => listener = Some(fresh),
+            }
+            wake_everything(&notifier);
+            continue;
+        };
         tokio::select! {
             () = stop.cancelled() => return,
-            received = listener.recv() => match received {
-                Ok(note) => wake_from_payload(note.payload(), own, &notifier),
+            received = current.try_recv() => match received {
+                Ok(Some(note)) => wake_from_payload(note.payload(), own, &notifier),
+                Ok(None) => {
+                    tracing::warn!("notification listener lost its connection and listens again");
+                    wake_everything(&notifier);
+                }
                 Err(err) => {
                     tracing::warn!(error = %err, "notification listener lost its connection; retrying");
-                    wake_everything(&notifier);
-                    tokio::select! {
-                        () = stop.cancelled() => return,
-                        () = tokio::time::sleep(Duration::from_secs(1)) => {}
-                    }
+                    listener = None;
                 }
             }
         }
     }
+}
+
+/// A new listener on [`CHANNEL`], retried each second until one connects.
+async fn listen_again(pool: &PgPool) -> PgListener {
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        match new_listener(pool).await {
+            Ok(listener) => return listener,
+            Err(err) => tracing::warn!(error = %err, "notification listener cannot reconnect yet"),
+        }
+    }
+}
+
+/// A listener on [`CHANNEL`], on a connection of its own from `pool`.
+async fn new_listener(pool: &PgPool) -> sqlx::Result<PgListener> {
+    let mut listener = PgListener::connect_with(pool).await?;
+    listener.listen(CHANNEL).await?;
+    Ok(listener)
 }
 
 #[async_trait]
@@ -3660,6 +3703,78 @@ mod tests {
             .collect();
         assert_eq!(answered, [(plain[1], false), (plain[0], false)]);
         drop(store);
+        scratch.drop().await;
+    }
+
+    /// Notifications sent while the `LISTEN` connection is down are lost,
+    /// so once it is back every waiter is woken to read for itself. sqlx
+    /// reconnects by itself when the server ends the connection, and
+    /// `recv` hid that: nobody was woken, and another replica's change
+    /// reached this one's watchers only at their fallback poll (30 s).
+    #[tokio::test]
+    async fn a_lost_listen_connection_wakes_every_waiter_once_back() {
+        let scratch = Scratch::new("intray_listen_lost").await;
+        let notifier = Arc::new(Notifier::new());
+        let store = PgStore::open(&Settings::new(&scratch.url), Arc::clone(&notifier))
+            .await
+            .expect("open the store");
+        let mut woken = notifier.subscribe_queues();
+        let mut admin = PgConnection::connect(&scratch.url).await.expect("connect");
+        let ended: Vec<bool> = sqlx::query_scalar(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+             WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+        )
+        .fetch_all(&mut admin)
+        .await
+        .expect("end the listener's connection");
+        assert_eq!(ended, [true], "one listener");
+        let key = tokio::time::timeout(Duration::from_secs(10), woken.recv())
+            .await
+            .expect("woken once the listener is back")
+            .expect("a wake-up");
+        assert_eq!(&*key, crate::engine::notifier::ANY_QUEUE);
+        let listening: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+        )
+        .fetch_one(&mut admin)
+        .await
+        .expect("count the listeners");
+        assert_eq!(listening, 1, "listening again");
+        drop(store);
+        scratch.drop().await;
+    }
+
+    /// What a replica commits just before it stops still reaches the other
+    /// replicas: the announcer sent nothing once stopped, so a change
+    /// within [`ANNOUNCE_GAP`] of the previous notification (as in the
+    /// calls finished during a shutdown's grace) was never announced.
+    #[tokio::test]
+    async fn a_stopping_replica_announces_what_it_committed_last() {
+        let scratch = Scratch::new("intray_last_word").await;
+        let notifier = Arc::new(Notifier::new());
+        let other = PgStore::open(&Settings::new(&scratch.url), Arc::clone(&notifier))
+            .await
+            .expect("open the other replica's store");
+        let mut woken = notifier.subscribe_queues();
+        let stopping = scratch.store().await;
+        for queue in ["first", "last"] {
+            let mut job = new_job();
+            job.queue = queue.into();
+            stopping
+                .submit("default", vec![job])
+                .await
+                .expect("submit")
+                .remove(0)
+                .expect("stored");
+        }
+        drop(stopping);
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while &*woken.recv().await.expect("a wake-up") != "default/last" {}
+        })
+        .await
+        .expect("the last submit is announced");
+        drop(other);
         scratch.drop().await;
     }
 
