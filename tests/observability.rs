@@ -703,16 +703,26 @@ async fn metrics_show_the_jobs_made(backend: Backend) {
 
     let queued = r#"intray_jobs{tenant="m",queue="depth",state="queued"}"#;
     let failed = r#"intray_jobs{tenant="m",queue="dead",state="failed"}"#;
+    // One worker ("failer") leased both: it counts once, on its queue only.
+    let workers = r#"intray_workers{tenant="m",queue="dead"}"#;
     let metrics = within(Duration::from_secs(10), "the gauges to refresh", async {
         loop {
             let metrics = parse(&scrape(server.http_addr).await);
-            if metrics.get(queued) == Some(&3.0) && metrics.get(failed) == Some(&2.0) {
+            if metrics.get(queued) == Some(&3.0)
+                && metrics.get(failed) == Some(&2.0)
+                && metrics.get(workers) == Some(&1.0)
+            {
                 return metrics;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     })
     .await;
+    assert_eq!(
+        metrics.get(r#"intray_workers{tenant="m",queue="depth"}"#),
+        None,
+        "no worker leased from depth"
+    );
     let age = metrics[r#"intray_oldest_runnable_job_age_seconds{tenant="m",queue="depth"}"#];
     assert!((90.0..120.0).contains(&age), "oldest runnable age {age}");
     assert_eq!(

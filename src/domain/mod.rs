@@ -256,6 +256,10 @@ impl JobEvent {
     }
 }
 
+/// How long a worker counts as active after its last `Lease` (in `Stats`
+/// and the workers gauge); one holding a lease counts until it ends.
+pub const WORKERS_WINDOW: Duration = Duration::from_secs(300);
+
 /// A validated submission, ready to store.
 #[derive(Clone, Debug, PartialEq)]
 pub struct NewJob {

@@ -1,5 +1,5 @@
 //! Refreshes the database gauges of `/metrics` (jobs by state, oldest
-//! runnable age, leases in flight) and the store's count of unreadable
+//! runnable age, leases in flight, workers) and the store's count of unreadable
 //! rows on a timer, so that a scrape never queries the database and a
 //! scraper cannot load it.
 
@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
+use crate::domain::WORKERS_WINDOW;
 use crate::store::Store;
 use crate::telemetry::Metrics;
 
@@ -31,6 +32,13 @@ pub async fn run(
             Err(err) => {
                 metrics.refresh_failed();
                 tracing::warn!(error = %err, "could not refresh the queue gauges");
+            }
+        }
+        match store.active_workers(WORKERS_WINDOW).await {
+            Ok(workers) => metrics.set_workers(&workers),
+            Err(err) => {
+                metrics.refresh_failed();
+                tracing::warn!(error = %err, "could not refresh the workers gauge");
             }
         }
     }

@@ -251,6 +251,14 @@ pub struct QueueDepth {
     pub oldest_runnable_age: Option<Duration>,
 }
 
+/// How many workers a tenant's queue has, for the metrics gauges.
+#[derive(Clone, Debug, PartialEq)]
+pub struct QueueWorkers {
+    pub tenant: String,
+    pub queue: String,
+    pub workers: u64,
+}
+
 /// The persistence interface. Every method is scoped to a tenant: another
 /// tenant's job is `NotFound`, exactly like a missing one.
 #[async_trait]
@@ -393,6 +401,11 @@ pub trait Store: Send + Sync + 'static {
     /// age, for the metrics gauges (run on a timer; PostgreSQL reads its kept
     /// counts, SQLite scans).
     async fn queue_depths(&self) -> StoreResult<Vec<QueueDepth>>;
+
+    /// Every tenant's queues with the workers that leased from them within
+    /// `since`, or hold a lease there now (as `Stats` counts them), for the
+    /// metrics gauges.
+    async fn active_workers(&self, since: Duration) -> StoreResult<Vec<QueueWorkers>>;
 
     /// Job rows this store has left out of claims and reaper passes since
     /// it opened because they could not be read (see `unreadable`), each

@@ -29,8 +29,8 @@ use super::pg_hot::HotPool;
 use super::pg_leased::{Beat, Leased};
 use super::unreadable::{self, RECHECK_CHUNK, RowKey, Unreadable};
 use super::{
-    Ended, Grouped, JobGroup, QueueDepth, QueueStatsBuilder, Reaped, Retried, RunningCaps, Stats,
-    Store, StoreError, StoreResult, Submitted,
+    Ended, Grouped, JobGroup, QueueDepth, QueueStatsBuilder, QueueWorkers, Reaped, Retried,
+    RunningCaps, Stats, Store, StoreError, StoreResult, Submitted,
 };
 use crate::config::Settings;
 use crate::domain::breaker::{self, Breaker, BreakerChange, BreakerPolicy};
@@ -104,6 +104,15 @@ impl Drop for PgStore {
 
 fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// A row of [`Store::active_workers`]' statement.
+fn queue_workers(row: &PgRow) -> StoreResult<QueueWorkers> {
+    Ok(QueueWorkers {
+        tenant: row.try_get("tenant")?,
+        queue: row.try_get("queue")?,
+        workers: u64::try_from(row.try_get::<i64, _>("workers")?).unwrap_or(0),
+    })
 }
 
 fn corrupt(column: &str) -> StoreError {
@@ -2629,6 +2638,22 @@ impl Store for PgStore {
             }
         }
         Ok(depths.into_values().collect())
+    }
+
+    async fn active_workers(&self, since: Duration) -> StoreResult<Vec<QueueWorkers>> {
+        let rows = sqlx::query(
+            "SELECT w.tenant, q.queue, count(*) AS workers
+             FROM workers w CROSS JOIN LATERAL jsonb_array_elements_text(w.queues) AS q(queue)
+             WHERE w.last_lease_at > now() - $1 * interval '1 millisecond'
+                OR EXISTS (SELECT 1 FROM jobs j
+                           WHERE j.tenant = w.tenant AND j.state = 'running'
+                             AND j.lease_owner = w.worker_id)
+             GROUP BY w.tenant, q.queue",
+        )
+        .bind(millis(since))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(queue_workers).collect()
     }
 
     fn unreadable_rows(&self) -> u64 {

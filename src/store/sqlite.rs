@@ -25,8 +25,8 @@ use uuid::Uuid;
 use super::changes::Changes;
 use super::unreadable::{RECHECK_CHUNK, RowKey, Unreadable};
 use super::{
-    Ended, Grouped, JobGroup, QueueDepth, QueueStatsBuilder, Reaped, Retried, RunningCaps, Stats,
-    Store, StoreError, StoreResult, Submitted,
+    Ended, Grouped, JobGroup, QueueDepth, QueueStatsBuilder, QueueWorkers, Reaped, Retried,
+    RunningCaps, Stats, Store, StoreError, StoreResult, Submitted,
 };
 use crate::config::Settings;
 use crate::domain::breaker::{self, Breaker, BreakerChange, BreakerPolicy};
@@ -109,6 +109,15 @@ fn opt_ms(t: Option<DateTime<Utc>>) -> Option<i64> {
 
 fn duration_ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// A row of [`Store::active_workers`]' statement.
+fn queue_workers(row: &SqliteRow) -> StoreResult<QueueWorkers> {
+    Ok(QueueWorkers {
+        tenant: row.try_get("tenant")?,
+        queue: row.try_get("queue")?,
+        workers: u64::try_from(row.try_get::<i64, _>("workers")?).unwrap_or(0),
+    })
 }
 
 fn corrupt(column: &str) -> StoreError {
@@ -1449,6 +1458,22 @@ impl Store for SqliteStore {
             }
         }
         Ok(depths.into_values().collect())
+    }
+
+    async fn active_workers(&self, since: Duration) -> StoreResult<Vec<QueueWorkers>> {
+        let rows = sqlx::query(
+            "SELECT w.tenant, q.value AS queue, count(*) AS workers
+             FROM workers w, json_each(w.queues) AS q
+             WHERE w.last_lease_at > ?1
+                OR EXISTS (SELECT 1 FROM jobs j
+                           WHERE j.tenant = w.tenant AND j.state = 'running'
+                             AND j.lease_owner = w.worker_id)
+             GROUP BY w.tenant, q.value",
+        )
+        .bind(ms(Utc::now()) - duration_ms(since))
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter().map(queue_workers).collect()
     }
 
     fn unreadable_rows(&self) -> u64 {

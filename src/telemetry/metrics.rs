@@ -13,7 +13,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
-use crate::store::QueueDepth;
+use crate::store::{QueueDepth, QueueWorkers};
 
 /// Buckets (seconds) for waits and attempt durations: jobs run from
 /// milliseconds (embeddings) to many minutes (imports).
@@ -172,6 +172,7 @@ pub struct Metrics {
     jobs: Family<f64>,
     oldest_runnable: Family<f64>,
     leases_in_flight: Family<f64>,
+    workers: Family<f64>,
     queue_wait: Family<Histogram>,
     attempt_duration: Family<Histogram>,
     attempts: Family<f64>,
@@ -209,6 +210,11 @@ impl Metrics {
             leases_in_flight: Family::new(
                 "intray_leases_in_flight",
                 "Running jobs, i.e. leases held by workers (refreshed on a timer).",
+                &["tenant", "queue"],
+            ),
+            workers: Family::new(
+                "intray_workers",
+                "Workers that leased from the queue in the last five minutes or hold a lease there (refreshed on a timer).",
                 &["tenant", "queue"],
             ),
             queue_wait: Family::new(
@@ -294,6 +300,14 @@ impl Metrics {
         *self.jobs.lock() = jobs;
         *self.oldest_runnable.lock() = oldest;
         *self.leases_in_flight.lock() = running;
+    }
+
+    /// Sets the workers gauge to `counts`, dropping queues no longer in it.
+    pub fn set_workers(&self, counts: &[QueueWorkers]) {
+        *self.workers.lock() = counts
+            .iter()
+            .map(|c| (vec![c.tenant.clone(), c.queue.clone()], c.workers as f64))
+            .collect();
     }
 
     /// A failed refresh of the database gauges.
@@ -383,6 +397,7 @@ impl Metrics {
         render_scalars(&mut out, &self.jobs, "gauge");
         render_scalars(&mut out, &self.oldest_runnable, "gauge");
         render_scalars(&mut out, &self.leases_in_flight, "gauge");
+        render_scalars(&mut out, &self.workers, "gauge");
         render_histograms(&mut out, &self.queue_wait);
         render_histograms(&mut out, &self.attempt_duration);
         render_scalars(&mut out, &self.attempts, "counter");
