@@ -81,6 +81,23 @@ def check_ports_and_grace(docs, vals, what):
     check(targets == {"grpc": "grpc", "http": "http"}, f"{what}: the service exposes grpc and http")
 
 
+def check_tls_probes(vals):
+    """With TLS, HTTPS probes on the HTTP port's /readyz and /healthz; with
+    mTLS, whose client certificate a kubelet cannot present, TCP connects."""
+    tls = dict(vals.get("tls", {}), enabled=True, secretName="intray-tls")
+    for client_auth in (False, True):
+        docs, _ = render(dict(vals, tls=dict(tls, clientAuth=client_auth)))
+        [dep] = kind(docs, "Deployment")
+        [c] = dep["spec"]["template"]["spec"]["containers"]
+        for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
+            if client_auth:
+                check(c[probe].get("tcpSocket", {}).get("port") == "grpc", f"mTLS: {probe} is a TCP connect")
+            else:
+                got = c[probe].get("httpGet", {})
+                check(got == {"scheme": "HTTPS", "port": "http", "path": path},
+                      f"TLS: {probe} is HTTPS GET {path}: {got}")
+
+
 def render_fails(overrides):
     """Whether the templates refuse these values (a `fail` in a template)."""
     try:
@@ -132,6 +149,7 @@ def main():
     check(len(kind(docs, "PodDisruptionBudget")) == 1, "PDB rendered")
     check("INTRAY_TLS_CERT" in env, "TLS configured")
     check_ports_and_grace(docs, prod, "production")
+    check_tls_probes(prod)
 
     moved = dict(defaults, ports={"grpc": 9000, "http": 9001})
     docs, _ = render(moved)

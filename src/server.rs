@@ -213,6 +213,9 @@ pub async fn run_with(
         Arc::clone(&metrics),
     ));
     let dispatcher_task = tokio::spawn(dispatcher.run(stop.clone()));
+    // Fires at SIGTERM, when the health service turns NOT_SERVING: the
+    // HTTP port's `/readyz` follows it.
+    let draining = CancellationToken::new();
     let http_task = http.map(|listener| {
         let ingress = crate::http::Ingress::new(
             Arc::clone(&webhook_keys),
@@ -232,6 +235,7 @@ pub async fn run_with(
             metrics,
             http_tracing,
             hosts,
+            draining.clone(),
         );
         tokio::spawn(crate::http::serve(listener, app, tls.clone(), stop.clone()))
     });
@@ -282,6 +286,7 @@ pub async fn run_with(
         let health = health.clone();
         async move {
             shutdown.await;
+            draining.cancel();
             health.set_not_serving::<JobServiceServer<JobsApi>>().await;
             health
                 .set_not_serving::<WorkerServiceServer<WorkersApi>>()

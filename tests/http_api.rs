@@ -7,7 +7,7 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::*;
 use http_body_util::{BodyExt, Full};
@@ -33,6 +33,7 @@ backend_tests!(
     openapi_lists_every_route_the_router_serves,
     dashboard_and_metrics_are_served,
     unknown_host_names_are_refused_in_open_mode,
+    probes_answer_any_host_and_readiness_fails_while_draining,
 );
 
 /// One HTTP answer.
@@ -1138,6 +1139,59 @@ async fn unknown_host_names_are_refused_in_open_mode(backend: Backend) {
         202,
         "{}",
         String::from_utf8_lossy(&reply.body)
+    );
+    server.stop().await;
+}
+
+/// `/healthz` and `/readyz` are what an HTTPS probe can use when TLS keeps
+/// the kubelet's gRPC probe out: any host name (the kubelet sends the pod's
+/// IP, or the `Host` header a probe sets), no token, and `/readyz` fails from SIGTERM on, through the
+/// shutdown delay in which the port still serves, as the gRPC health
+/// service turns `NOT_SERVING`.
+async fn probes_answer_any_host_and_readiness_fails_while_draining(backend: Backend) {
+    let server = TestServer::start_with(backend, |s| {
+        s.shutdown_delay = Duration::from_secs(5);
+    })
+    .await;
+    let port = server.http_addr.port();
+    let pod = Http::new(&server).host(&format!("intray-0.intray.svc:{port}"));
+    for path in ["/healthz", "/readyz"] {
+        assert_eq!(pod.get(path).await.status, 200, "{path}");
+    }
+    pod.get("/api/v1/stats")
+        .await
+        .expect_error(403, "PERMISSION_DENIED");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("tokens");
+    std::fs::write(&file, format!("{ADMIN} ops admin\n")).expect("write token file");
+    let guarded = server
+        .start_replica_with(|s| s.auth_file = Some(file))
+        .await;
+    let anonymous = Http::new(&guarded);
+    anonymous
+        .get("/api/v1/stats")
+        .await
+        .expect_error(401, "UNAUTHENTICATED");
+    for path in ["/healthz", "/readyz"] {
+        assert_eq!(
+            anonymous.get(path).await.status,
+            200,
+            "{path} without a token"
+        );
+    }
+    guarded.stop().await;
+    let stopping = Instant::now();
+    server.begin_shutdown();
+    within(Duration::from_secs(5), "readiness to fail", async {
+        while pod.get("/readyz").await.status != 503 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert_eq!(pod.get("/healthz").await.status, 200, "still live");
+    assert!(
+        stopping.elapsed() < Duration::from_secs(5),
+        "checked inside the delay"
     );
     server.stop().await;
 }

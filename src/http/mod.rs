@@ -1,5 +1,5 @@
 //! The HTTP port: the JSON API under `/api/v1`, the operator dashboard at
-//! `/`, and `GET /metrics`.
+//! `/`, `GET /metrics`, and the probes `GET /healthz` and `GET /readyz`.
 //!
 //! # Layout
 //! - `gateway`: authorizes an HTTP call as its gRPC method and calls the
@@ -9,6 +9,7 @@
 //! - `error`: the one mapping from a failed call to an HTTP status and a
 //!   `{code, message, details}` body.
 //! - `hooks`: `POST /hooks/{source}`, provider webhooks that become jobs.
+//! - `health`: the probe routes.
 //! - `host`: the host names the port answers to (DNS rebinding).
 //! - `openapi`: the OpenAPI document; `dashboard`: the embedded static page.
 //! - `listener`: serving the port, over TLS when configured.
@@ -20,6 +21,7 @@ mod body;
 mod dashboard;
 mod error;
 mod gateway;
+mod health;
 mod hooks;
 mod host;
 mod jobs;
@@ -42,6 +44,7 @@ use axum::http::{HeaderMap, Method, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
 use crate::telemetry::http::HttpTraceLayer;
@@ -57,13 +60,15 @@ const TEXT_FORMAT: &str = "text/plain; version=0.0.4; charset=utf-8";
 /// in memory (the database gauges are refreshed on a timer); with a token
 /// file it needs a token of the metrics or admin role, since the labels
 /// name every tenant, queue and kind, and the port is reachable by webhook
-/// providers. Every route but the ingress answers only to `hosts`.
+/// providers. Every route but the ingress and the probes answers only to
+/// `hosts`; `/readyz` fails once `draining` fires.
 pub fn router(
     gateway: Arc<Gateway>,
     ingress: Arc<Ingress>,
     metrics: Arc<Metrics>,
     tracing: Tracing,
     hosts: AllowedHosts,
+    draining: CancellationToken,
 ) -> Router {
     let scrape_gate = Arc::clone(&gateway);
     let api = Router::new()
@@ -111,6 +116,7 @@ pub fn router(
             host::refuse_unknown_host,
         ))
         .merge(hooks)
+        .merge(health::router(draining))
 }
 
 /// Refuses a caller without a known token before its body or query is
