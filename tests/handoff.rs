@@ -244,30 +244,6 @@ async fn batch_spreads_over_idle_workers(backend: Backend) {
     server.stop().await;
 }
 
-/// Opens a transaction on `holder` that gives job `id` the idempotency key
-/// `taken`: an insert with that key waits for the transaction's outcome.
-async fn take_key(holder: &mut sqlx::PgConnection, id: &str) {
-    sqlx::raw_sql("BEGIN")
-        .execute(&mut *holder)
-        .await
-        .expect("BEGIN");
-    sqlx::query("UPDATE jobs SET idempotency_key = 'taken' WHERE id = $1::uuid")
-        .bind(id)
-        .execute(&mut *holder)
-        .await
-        .expect("take the key");
-}
-
-/// Returns once a statement of the database waits on a lock.
-async fn waits_on_a_lock(watcher: &mut sqlx::PgConnection, what: &str) {
-    within(Duration::from_secs(10), what, async {
-        while lock_waiters(watcher).await == 0 {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await;
-}
-
 /// A `SubmitBatch` runs to its end even when its caller goes away while it
 /// waits on the database: it may commit jobs leased to parked `Lease`
 /// calls, and those calls must get them rather than hold them, unknown to

@@ -42,6 +42,15 @@ backend_tests!(
     a_call_its_client_gave_up_on_is_counted
 );
 
+/// (PostgreSQL: the call is held on a row lock, and SQLite's writer lock
+/// would hold every write.)
+mod postgres_only {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn an_http_call_its_client_left_is_counted() {
+        super::an_http_call_its_client_left_is_counted().await
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Fake collector
 // ---------------------------------------------------------------------------
@@ -674,6 +683,55 @@ async fn a_call_its_client_gave_up_on_is_counted(backend: Backend) {
             r#"intray_rpc_responses_total{method="/intray.v1.WorkerService/Lease",code="DEADLINE_EXCEEDED"}"#,
             r#"intray_rpc_responses_total{method="/intray.v1.WorkerService/Lease",code="CANCELLED"}"#,
         ],
+        "the call counted",
+    )
+    .await;
+    server.stop().await;
+}
+
+/// An HTTP call whose client closes the connection before the answer is
+/// counted, as `CANCELLED` (HTTP has no deadline header), as on the gRPC
+/// port. The submit waits on an idempotency key another open transaction
+/// holds while its client goes away. Before, the gateway counted a call only
+/// when it answered, and a dropped one never.
+async fn an_http_call_its_client_left_is_counted() {
+    use sqlx::Connection;
+    use tokio::io::AsyncWriteExt;
+    let server = TestServer::start(Backend::Postgres).await;
+    let mut jobs = server.jobs_client("default");
+    let other = submit(&mut jobs, "elsewhere", "k", json!({})).await;
+    let url = server.settings.database_url.clone();
+    let mut holder = sqlx::PgConnection::connect(&url).await.expect("connect");
+    let mut watcher = sqlx::PgConnection::connect(&url).await.expect("connect");
+    take_key(&mut holder, &other.id).await;
+    let body = json!({"queue": "left", "kind": "k", "payload": {}, "idempotency_key": "taken"})
+        .to_string();
+    let mut client = tokio::net::TcpStream::connect(server.http_addr)
+        .await
+        .expect("connect to the HTTP port");
+    client
+        .write_all(
+            format!(
+                "POST /api/v1/jobs HTTP/1.1\r\nhost: localhost\r\n\
+                 content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .as_bytes(),
+        )
+        .await
+        .expect("send the request");
+    waits_on_a_lock(&mut watcher, "the submit waits for the key").await;
+    drop(client);
+    // Time for the server to see the connection closed while the call
+    // still waits.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut holder)
+        .await
+        .expect("ROLLBACK");
+    counted_once(
+        &server,
+        &[r#"intray_rpc_responses_total{method="/intray.v1.JobService/Submit",code="CANCELLED"}"#],
         "the call counted",
     )
     .await;

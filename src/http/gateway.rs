@@ -77,6 +77,33 @@ pub struct Gateway {
     metrics: Arc<Metrics>,
 }
 
+/// Counts a call once: when it answers, or, when it is dropped unanswered
+/// (its client closed the connection, and the HTTP server dropped the
+/// request), as `CANCELLED`, as the gRPC port counts such calls (HTTP has
+/// no deadline header to tell `DEADLINE_EXCEEDED` by).
+struct Counting<'a> {
+    metrics: &'a Metrics,
+    method: Method,
+    started: Instant,
+    done: bool,
+}
+
+impl Counting<'_> {
+    fn finish(&mut self, code: Code) {
+        if std::mem::replace(&mut self.done, true) {
+            return;
+        }
+        self.metrics
+            .rpc(self.method.path(), &code_name(code), self.started.elapsed());
+    }
+}
+
+impl Drop for Counting<'_> {
+    fn drop(&mut self) {
+        self.finish(Code::Cancelled);
+    }
+}
+
 impl Gateway {
     /// A gateway into `jobs`, checking callers against `tokens` and
     /// `limits`, counting calls in `metrics`.
@@ -149,11 +176,14 @@ impl Gateway {
     where
         F: Future<Output = Result<Response<R>, Status>>,
     {
-        let started = Instant::now();
+        let mut counting = Counting {
+            metrics: &self.metrics,
+            method,
+            started: Instant::now(),
+            done: false,
+        };
         let answer = self.bounded(method, headers, message, call).await;
-        let code = answer.as_ref().map_or_else(Status::code, |_| Code::Ok);
-        self.metrics
-            .rpc(method.path(), &code_name(code), started.elapsed());
+        counting.finish(answer.as_ref().map_or_else(Status::code, |_| Code::Ok));
         answer
     }
 
