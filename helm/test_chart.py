@@ -76,9 +76,32 @@ def check_ports_and_grace(docs, vals, what):
           and delay + grace + TRACE_FLUSH <= pod["terminationGracePeriodSeconds"],
           f"{what}: in-flight calls get the RPC timeout, and SIGKILL comes after the delay,"
           " the grace and the traces' export")
-    [svc] = kind(docs, "Service")
+    svc = cluster_service(docs)
     targets = {p["name"]: p["targetPort"] for p in svc["spec"]["ports"]}
     check(targets == {"grpc": "grpc", "http": "http"}, f"{what}: the service exposes grpc and http")
+
+
+def cluster_service(docs):
+    """The Service with a cluster IP (the headless one beside it aside)."""
+    [svc] = [s for s in kind(docs, "Service") if s["spec"].get("clusterIP") != "None"]
+    return svc
+
+
+def check_headless_service(vals):
+    """A headless Service beside the ClusterIP one, on the gRPC port, for
+    clients that balance their calls over the pods themselves; off when
+    asked."""
+    docs, _ = render(vals)
+    services = {s["metadata"]["name"]: s for s in kind(docs, "Service")}
+    headless = [s for name, s in services.items() if name.endswith("-headless")]
+    check(len(headless) == 1 and len(services) == 2, f"a headless Service beside the other: {sorted(services)}")
+    if headless:
+        spec = headless[0]["spec"]
+        check(spec.get("clusterIP") == "None", "the headless Service has no cluster IP")
+        check([(p["name"], p["targetPort"]) for p in spec["ports"]] == [("grpc", "grpc")],
+              "the headless Service serves the gRPC port")
+    docs, _ = render(dict(vals, service=dict(vals.get("service", {}), headless=False)))
+    check(len(kind(docs, "Service")) == 1, "service.headless=false renders one Service")
 
 
 def check_tls_probes(vals):
@@ -130,7 +153,7 @@ def main():
     check(c["livenessProbe"].get("grpc", {}).get("port") == 50051, "liveness is a gRPC probe")
     check(pod["securityContext"]["runAsNonRoot"] is True, "pod runs as non-root")
     check(c["securityContext"]["readOnlyRootFilesystem"] is True, "read-only root filesystem")
-    [svc] = kind(docs, "Service")
+    svc = cluster_service(docs)
     check(svc["spec"]["ports"][0]["appProtocol"] == "grpc", "service port is appProtocol grpc")
     check(not kind(docs, "Secret"), "no Secret without database URL or tokens")
     check_ports_and_grace(docs, defaults, "defaults")
@@ -150,6 +173,7 @@ def main():
     check("INTRAY_TLS_CERT" in env, "TLS configured")
     check_ports_and_grace(docs, prod, "production")
     check_tls_probes(prod)
+    check_headless_service(prod)
 
     moved = dict(defaults, ports={"grpc": 9000, "http": 9001})
     docs, _ = render(moved)
