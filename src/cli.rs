@@ -303,14 +303,33 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
+    /// The lease lengths within what `Lease` accepts: a default below the
+    /// shortest lease would have every `Lease` that leaves its length
+    /// unset refused.
+    fn check_leases(&self) -> Result<(), String> {
+        let min = crate::domain::validate::MIN_LEASE;
+        let shortest = humantime::format_duration(min);
+        if self.max_lease_duration < min {
+            return Err(format!("--max-lease-duration must be at least {shortest}"));
+        }
+        if self.lease_duration < min {
+            return Err(format!("--lease-duration must be at least {shortest}"));
+        }
+        if self.lease_duration > self.max_lease_duration {
+            return Err("--lease-duration must not exceed --max-lease-duration".into());
+        }
+        Ok(())
+    }
+
     /// The settings these flags describe.
     pub fn settings(&self) -> Result<Settings, String> {
         if !(1..=100).contains(&self.max_attempts) {
             return Err("--max-attempts must be between 1 and 100".into());
         }
-        if self.lease_duration > self.max_lease_duration {
-            return Err("--lease-duration must not exceed --max-lease-duration".into());
-        }
+        self.check_leases()?;
+        // Before any migration: `Context::new` would refuse it only after.
+        crate::domain::Backoff::try_new(self.backoff_initial, self.backoff_max)
+            .map_err(|e| format!("--backoff-{e}"))?;
         if self.reaper_interval.is_zero()
             || self.fallback_poll.is_zero()
             || self.watch_fallback_poll.is_zero()
@@ -457,6 +476,38 @@ mod tests {
             serve.args.queue_max_running_per_tenant,
             [("gpu".to_owned(), 2)]
         );
+    }
+
+    /// The settings of `serve` with `args`, or the refusal.
+    fn settings_of(args: &[&str]) -> Result<Settings, String> {
+        Serve::try_parse_from([&["serve"], args].concat())
+            .map_err(|e| e.to_string())
+            .and_then(|s| s.args.settings())
+    }
+
+    #[test]
+    fn a_lease_shorter_than_lease_accepts_is_refused() {
+        for (flag, value) in [
+            ("--lease-duration", "500ms"),
+            ("--lease-duration", "0s"),
+            ("--max-lease-duration", "500ms"),
+        ] {
+            let refused = settings_of(&[flag, value]).expect_err(value);
+            assert!(refused.starts_with(flag), "{flag} {value}: {refused}");
+        }
+        let settings = settings_of(&["--lease-duration", "1s", "--max-lease-duration", "1s"])
+            .expect("the shortest lease");
+        assert_eq!(settings.default_lease, Duration::from_secs(1));
+    }
+
+    #[test]
+    fn a_bad_default_backoff_is_refused_before_serving() {
+        let refused = settings_of(&["--backoff-initial", "0s"]).expect_err("a zero base");
+        assert!(refused.contains("--backoff-initial"), "{refused}");
+        let refused = settings_of(&["--backoff-initial", "10s", "--backoff-max", "5s"])
+            .expect_err("a cap below the base");
+        assert!(refused.contains("--backoff-max"), "{refused}");
+        assert!(settings_of(&["--backoff-initial", "10s", "--backoff-max", "10s"]).is_ok());
     }
 
     #[test]

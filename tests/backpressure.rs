@@ -17,6 +17,7 @@ common::backend_tests!(
     paused_queue_accepts_but_leases_nothing,
     resume_wakes_a_waiting_worker,
     queue_bound_refuses_with_retry_info,
+    a_batch_repeating_a_key_takes_one_slot,
     retention_deletes_old_finished_jobs,
     retention_forgets_workers_unseen_and_idle,
     counts_follow_concurrent_transitions,
@@ -222,6 +223,52 @@ async fn queue_bound_refuses_with_retry_info(backend: Backend) {
     )
     .await;
     assert_eq!(stored.len(), 3, "nothing was written beyond the bound");
+    server.stop().await;
+}
+
+/// Items of one batch with the same key behave as `Submit`s one after the
+/// other: the first takes the queue's last slot, the repeat gets its job,
+/// the key with other input is a conflict; none is told the queue is full.
+async fn a_batch_repeating_a_key_takes_one_slot(backend: Backend) {
+    use pb::submit_batch_result::Result as R;
+    let server = TestServer::start_with(backend, |s| s.queue_bound = 1).await;
+    let mut jobs = server.jobs_client("t");
+    let mut keyed = submit_req("single", "k", json!({"n": 0}));
+    keyed.idempotency_key = "twice".into();
+    let mut other_input = keyed.clone();
+    other_input.payload = Some(json_to_value(json!({"n": 1})));
+    let results = jobs
+        .submit_batch(pb::SubmitBatchRequest {
+            jobs: vec![keyed.clone(), keyed, other_input],
+        })
+        .await
+        .expect("SubmitBatch")
+        .into_inner()
+        .results;
+    let answer = |i: usize| match &results[i].result {
+        Some(R::Ok(ok)) => (ok.created, ok.job.as_ref().map(|j| j.id.clone())),
+        other => panic!("item {i} must get a job: {other:?}"),
+    };
+    let (created, id) = answer(0);
+    assert!(created, "the first item is stored");
+    assert_eq!(
+        answer(1),
+        (false, id),
+        "the repeat gets the first item's job"
+    );
+    match &results[2].result {
+        Some(R::Error(e)) => assert_eq!(e.code, Code::AlreadyExists as i32, "{e:?}"),
+        other => panic!("the key with other input is a conflict: {other:?}"),
+    }
+    let stored = list_all(
+        &mut jobs,
+        pb::ListJobsRequest {
+            queue: "single".into(),
+            ..list_req()
+        },
+    )
+    .await;
+    assert_eq!(stored.len(), 1, "one job for the key");
     server.stop().await;
 }
 

@@ -1,6 +1,7 @@
 //! Graceful shutdown, on both backends: a parked long-poll `Lease` returns
-//! empty at once, a `WatchJob` stream ends cleanly (the client resumes from
-//! its last sequence elsewhere), and the server stops well within its grace.
+//! empty at once, a `WatchJob` stream ends `UNAVAILABLE` (not OK, which
+//! would say the job has ended: the client resumes from its last sequence
+//! elsewhere), and the server stops well within its grace.
 
 mod common;
 
@@ -47,11 +48,17 @@ async fn shutdown_ends_long_polls_and_streams_promptly(backend: Backend) {
     let watch = tokio::spawn(async move {
         let started = Instant::now();
         let mut more = 0;
+        let mut ended_with = None;
         while let Some(item) = stream.next().await {
-            item.expect("the stream ends cleanly, not with an error");
-            more += 1;
+            match item {
+                Ok(_) => more += 1,
+                Err(status) => {
+                    ended_with = Some(status);
+                    break;
+                }
+            }
         }
-        (more, started.elapsed())
+        (more, ended_with, started.elapsed())
     });
     // Let the long-poll park.
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -72,10 +79,12 @@ async fn shutdown_ends_long_polls_and_streams_promptly(backend: Backend) {
         waited < Duration::from_secs(10),
         "returned at shutdown, not after its 30 s wait: {waited:?}"
     );
-    let (more, ended_after) = within(Duration::from_secs(10), "watch", watch)
+    let (more, ended_with, ended_after) = within(Duration::from_secs(10), "watch", watch)
         .await
         .expect("task");
     assert_eq!(more, 0, "no event was invented");
+    let status = ended_with.expect("the stream ends UNAVAILABLE, not OK: the job has not ended");
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
     assert!(ended_after < Duration::from_secs(10), "{ended_after:?}");
 }
 

@@ -1,8 +1,7 @@
 //! `intray.v1.JobService`: the producers' and operators' API.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::pin::Pin;
-use std::time::Duration;
 
 use futures::Stream;
 use tonic::{Request, Response, Status};
@@ -26,8 +25,6 @@ const WATCH_BATCH: u32 = 500;
 /// Most jobs [`JobsApi::dead_set`] counts: each is a row read, and the
 /// dashboard asks again on every refresh.
 const GROUPED_JOBS: u32 = 100_000;
-/// Workers seen within this window are listed by `Stats`.
-const WORKERS_WINDOW: Duration = Duration::from_secs(300);
 
 /// The JobService implementation.
 pub struct JobsApi {
@@ -117,6 +114,25 @@ impl JobsApi {
         }
     }
 
+    /// [`Self::admit`] for an item of a `SubmitBatch`. An item repeating
+    /// the key of an earlier item admitted in the same batch goes to the
+    /// store with it, without a slot of its own: the store answers it from
+    /// that item's job (or refuses other input), as it would a `Submit`
+    /// made after the first. Admitted on its own, it would find the queue
+    /// filled by the very job it repeats, and nothing stored yet to be
+    /// answered from.
+    async fn admit_item(
+        &self,
+        tenant: &str,
+        new: &NewJob,
+        admitted_keys: &HashSet<String>,
+    ) -> Result<Option<Job>, ApiError> {
+        match &new.idempotency_key {
+            Some(key) if admitted_keys.contains(key) => Ok(None),
+            _ => self.admit(tenant, new).await,
+        }
+    }
+
     /// Every check but the deadline's against the clock, which [`Self::admit`]
     /// makes. Keys in the ingress's space are the ingress's alone.
     fn validate_submit(
@@ -199,16 +215,20 @@ impl JobService for JobsApi {
         let mut answers: Vec<Option<pb::submit_batch_result::Result>> =
             Vec::with_capacity(jobs.len());
         let mut valid = Vec::new();
+        let mut admitted_keys = HashSet::new();
         for (i, job) in jobs.into_iter().enumerate() {
             let admitted = match self.validate_submit(job, false) {
                 Ok(new) => self
-                    .admit(&tenant, &new)
+                    .admit_item(&tenant, &new, &admitted_keys)
                     .await
                     .map(|original| (new, original)),
                 Err(invalid) => Err(invalid.into()),
             };
             match admitted {
                 Ok((new, None)) => {
+                    if let Some(key) = &new.idempotency_key {
+                        admitted_keys.insert(key.clone());
+                    }
                     valid.push(new);
                     answers.push(None);
                 }
@@ -231,7 +251,13 @@ impl JobService for JobsApi {
         for new in &mut valid {
             new.trace_parent.clone_from(&trace_parent);
         }
-        let stored = self.ctx.batchers.submit_batch(&tenant, valid).await?;
+        // Nothing to store is nothing to ask the database (or, on SQLite,
+        // its writer lock) for: the answers are all in already.
+        let stored = if valid.is_empty() {
+            Vec::new()
+        } else {
+            self.ctx.batchers.submit_batch(&tenant, valid).await?
+        };
         for submitted in stored.iter().flatten() {
             if submitted.created {
                 self.ctx.observer.submitted(&submitted.job);
@@ -357,6 +383,14 @@ impl JobService for JobsApi {
                     .store
                     .retry_matching(&tenant, &filter, request.dry_run)
                     .await?;
+                if !request.dry_run {
+                    self.ctx.observer.replayed_in_bulk(
+                        &tenant,
+                        &filter,
+                        done.matched,
+                        done.retried.len(),
+                    );
+                }
                 Ok(Response::new(pb::RetryJobResponse {
                     retried: done.retried.iter().map(Uuid::to_string).collect(),
                     matched: done.matched,
@@ -379,7 +413,7 @@ impl JobService for JobsApi {
         let stats = self
             .ctx
             .store
-            .stats(&tenant, queue.as_deref(), WORKERS_WINDOW)
+            .stats(&tenant, queue.as_deref(), crate::domain::WORKERS_WINDOW)
             .await?;
         Ok(Response::new(convert::stats(&stats)))
     }
@@ -430,10 +464,29 @@ struct Watching {
     read_at: Option<u64>,
 }
 
+/// How a `WatchJob` stream that shutdown interrupts ends. Not OK, which a
+/// client would take for "the job has ended": the job goes on, and so must
+/// the watch, elsewhere.
+const WATCH_INTERRUPTED: &str = "the server is shutting down; watch again from the last sequence";
+
+/// The status ending a `WatchJob` stream that shutdown interrupts before
+/// its job's terminal event.
+fn watch_interrupted() -> Status {
+    Status::unavailable(WATCH_INTERRUPTED)
+}
+
+/// Whether `status` ends a `WatchJob` stream that shutdown interrupted. The
+/// HTTP face ends its event stream quietly then, as an `EventSource`
+/// reconnects with `Last-Event-ID` by itself, rather than report an error.
+pub fn is_watch_interrupted(status: &Status) -> bool {
+    status.code() == tonic::Code::Unavailable && status.message() == WATCH_INTERRUPTED
+}
+
 /// The events of a `WatchJob` stream: the stored events after `after`, then
 /// new ones as they are committed, until the job's terminal event has been
-/// sent. A stream, not a task feeding a channel: an open watch costs only
-/// its state, and a client that goes away drops it.
+/// sent; on shutdown before that, it ends with [`watch_interrupted`]. A
+/// stream, not a task feeding a channel: an open watch costs only its
+/// state, and a client that goes away drops it.
 ///
 /// The database is the source of truth; a notification only says "read
 /// again", and a timer re-reads anyway, so a lost notification costs latency
@@ -459,7 +512,7 @@ fn watch_events(ctx: Context, tenant: String, id: Uuid, after: u64) -> WatchStre
             && let Err(err) = w.refill().await
         {
             w.done = true;
-            return Some((Err(err.into()), w));
+            return Some((Err(err), w));
         }
         let event = w.ready.pop_front()?;
         w.after = event.sequence;
@@ -473,8 +526,9 @@ fn watch_events(ctx: Context, tenant: String, id: Uuid, after: u64) -> WatchStre
 
 impl Watching {
     /// Waits until there are events to send, or the stream is over (`done`
-    /// with nothing ready).
-    async fn refill(&mut self) -> Result<(), StoreError> {
+    /// with nothing ready); fails when the database does, or when the
+    /// server shuts down first.
+    async fn refill(&mut self) -> Result<(), Status> {
         loop {
             let woken = self.watch.notify().notified();
             tokio::pin!(woken);
@@ -518,10 +572,7 @@ impl Watching {
                 () = tokio::time::sleep(self.ctx.settings.watch_fallback_poll) => {
                     self.read_at = None;
                 }
-                () = self.ctx.shutdown.cancelled() => {
-                    self.done = true;
-                    return Ok(());
-                }
+                () = self.ctx.shutdown.cancelled() => return Err(watch_interrupted()),
             }
         }
     }

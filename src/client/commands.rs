@@ -527,8 +527,9 @@ async fn history(
 
 /// The server ends the stream after the terminal event. When the stream
 /// breaks off before that (a restart, a lost connection, a server shutting
-/// down), this reconnects after the last event printed: the server's
-/// `after_sequence` contract means nothing is missed or printed twice.
+/// down, which ends it `UNAVAILABLE`), this reconnects after the last event
+/// printed: the server's `after_sequence` contract means nothing is missed
+/// or printed twice.
 /// A job that ended other than `SUCCEEDED` is [`ClientError::NotSucceeded`],
 /// so that `intray watch ID && next-step` stops there.
 async fn watch(session: &mut Session, args: WatchArgs, json: bool) -> Result<(), ClientError> {
@@ -571,8 +572,9 @@ async fn watch(session: &mut Session, args: WatchArgs, json: bool) -> Result<(),
             Some(status) if reconnectable(status.code()) => status,
             Some(status) => return Err(status.into()),
             None if finished => return ended(last_state),
-            // Ended early after some events, e.g. a server shutting down:
-            // pick up where it stopped.
+            // Ended early after some events, as older servers ended a
+            // stream on shutdown (newer ones end it `UNAVAILABLE`): pick up
+            // where it stopped.
             None if got_events => continue,
             None => {
                 // An empty stream is also what a job that ended at or before

@@ -54,6 +54,10 @@ pub const PRIORITY_RANGE: std::ops::RangeInclusive<i32> = -1000..=1000;
 pub const MAX_WAIT: Duration = Duration::from_secs(60);
 /// Most jobs one `Lease` may claim.
 pub const MAX_LEASE_JOBS: u32 = 100;
+/// Shortest lease a worker may take or extend by; the server's default
+/// and longest leases must not be shorter, or a `Lease` that leaves its
+/// length unset would be refused.
+pub const MIN_LEASE: Duration = Duration::from_secs(1);
 /// Most items in `SubmitBatch` / `CompleteBatch`.
 pub const MAX_BATCH: usize = 1000;
 /// Deepest JSON nesting accepted in a payload or result. protobuf's decoder
@@ -385,11 +389,12 @@ fn worker_id(value: &str) -> Result<String> {
 
 fn lease_duration(field: &str, value: Option<Duration>, limits: &Limits) -> Result<Duration> {
     let d = value.unwrap_or(limits.default_lease);
-    if d < Duration::from_secs(1) || d > limits.max_lease {
+    if d < MIN_LEASE || d > limits.max_lease {
         return Err(ValidationError::new(
             field,
             format!(
-                "must be between 1s and {}",
+                "must be between {} and {}",
+                humantime::format_duration(MIN_LEASE),
                 humantime::format_duration(limits.max_lease)
             ),
         ));

@@ -248,8 +248,15 @@ pub fn give_back(store: &Arc<dyn Store>, jobs: Vec<Job>) {
             let Some(lease_token) = job.lease_token else {
                 continue;
             };
-            if let Err(err) = store.give_back(&job.tenant, job.id, &lease_token).await {
-                tracing::warn!(error = %err, job_id = %job.id, "could not give back a job whose Lease call went away; it waits out its lease");
+            match store.give_back(&job.tenant, job.id, &lease_token).await {
+                Ok(back) => tracing::info!(
+                    job_id = %back.id, kind = %back.kind, queue = %back.queue, tenant = %back.tenant,
+                    worker_id = job.lease_owner.as_deref().unwrap_or_default(), to = %back.state,
+                    "job given back: its Lease call went away"
+                ),
+                Err(err) => {
+                    tracing::warn!(error = %err, job_id = %job.id, "could not give back a job whose Lease call went away; it waits out its lease")
+                }
             }
         }
     });

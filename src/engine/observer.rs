@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::domain::{Job, JobEvent, JobState};
+use crate::domain::{Job, JobEvent, JobState, RetryFilter};
 use crate::store::Ended;
 use crate::telemetry::attempt::{self, AttemptSummary};
 use crate::telemetry::{Metrics, Tracing};
@@ -134,6 +134,26 @@ impl Observer {
         tracing::info!(
             job_id = %job.id, kind = %job.kind, queue = %job.queue, tenant = %job.tenant,
             attempt = job.attempt, to = %job.state, "job replayed"
+        );
+    }
+
+    /// A bulk `Retry` replayed `retried` of the `matched` jobs of a filter
+    /// (one line for the call: a filter may replay thousands).
+    pub fn replayed_in_bulk(
+        &self,
+        tenant: &str,
+        filter: &RetryFilter,
+        matched: u64,
+        retried: usize,
+    ) {
+        tracing::info!(
+            tenant,
+            queue = filter.queue.as_deref().unwrap_or("*"),
+            kind = filter.kind.as_deref().unwrap_or("*"),
+            error_class = filter.error_class.as_deref().unwrap_or("*"),
+            matched,
+            retried,
+            "jobs replayed in bulk"
         );
     }
 

@@ -4,8 +4,10 @@
 //! Each event's `id:` is its sequence, so the `Last-Event-ID` a browser
 //! sends when it reconnects is exactly `WatchJob`'s `after_sequence`: the
 //! stream resumes with no gap and no duplicate. The stream ends after the
-//! terminal event. A reconnect after the terminal event gets `204 No
-//! Content`, which tells an `EventSource` to stop reconnecting.
+//! terminal event, or earlier when the server shuts down (with no error
+//! event: the client reconnects as after a lost connection). A reconnect
+//! after the terminal event gets `204 No Content`, which tells an
+//! `EventSource` to stop reconnecting.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -55,6 +57,13 @@ fn to_sse(item: Result<pb::JobEvent, tonic::Status>) -> Event {
     }
 }
 
+/// Whether `item` ends a stream that shutdown interrupted. Such a stream
+/// just closes, with no error event: an `EventSource` reconnects by itself
+/// with `Last-Event-ID`, and the dashboard's reader after a second.
+fn interrupted(item: &Result<pb::JobEvent, tonic::Status>) -> bool {
+    matches!(item, Err(status) if crate::api::is_watch_interrupted(status))
+}
+
 /// Opens the stream; an unknown job or a refused caller is answered as any
 /// other call, before the stream starts.
 pub async fn events(
@@ -80,6 +89,7 @@ pub async fn events(
     };
     let events = futures::stream::iter(first)
         .chain(stream)
+        .take_while(|item| futures::future::ready(!interrupted(item)))
         .map(|item| Ok::<_, Infallible>(to_sse(item)));
     Ok(Sse::new(events)
         .keep_alive(KeepAlive::default())
