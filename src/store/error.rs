@@ -40,15 +40,18 @@ impl From<sqlx::Error> for StoreError {
             | sqlx::Error::PoolClosed
             | sqlx::Error::WorkerCrashed
             | sqlx::Error::Protocol(_) => StoreError::Unavailable(Arc::new(err)),
-            // SQLite's extended codes: its storage failing (I/O error, disk
-            // full, the file gone) is the database being unavailable, as a
-            // lost PostgreSQL is, and not a bug to report as internal.
+            // SQLite's codes, by their primary code (the low byte of an
+            // extended one): the file busy or locked, read-only (a volume
+            // remounted so after disk errors, a file moved away), an I/O
+            // error, the disk full or the file gone are the database being
+            // unavailable, as a lost PostgreSQL is, and not a bug to
+            // report as internal.
             sqlx::Error::Database(db)
                 if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some()
                     && db
                         .code()
                         .and_then(|code| code.parse::<i32>().ok())
-                        .is_some_and(|code| matches!(code & 0xff, 10 | 13 | 14)) =>
+                        .is_some_and(|code| matches!(code & 0xff, 5 | 6 | 8 | 10 | 13 | 14)) =>
             {
                 StoreError::Unavailable(Arc::new(err))
             }
@@ -56,12 +59,10 @@ impl From<sqlx::Error> for StoreError {
                 // Worth retrying: serialization failure, deadlock, connection
                 // exceptions (class 08), admin/crash shutdown, cannot connect
                 // now, database not accepting connections, too many
-                // connections, disk full, out of memory, an I/O error,
-                // SQLite busy/locked.
+                // connections, disk full, out of memory, an I/O error.
                 Some(
                     "40001" | "40P01" | "08000" | "08001" | "08003" | "08004" | "08006" | "57P01"
-                    | "57P02" | "57P03" | "55000" | "53300" | "53100" | "53200" | "58030" | "5"
-                    | "6" | "261" | "517",
+                    | "57P02" | "57P03" | "55000" | "53300" | "53100" | "53200" | "58030",
                 ) => StoreError::Unavailable(Arc::new(err)),
                 _ => StoreError::Internal(err.to_string()),
             },

@@ -52,6 +52,16 @@ fn migrator(strict: bool) -> sqlx::migrate::Migrator {
 const WAL_SIZE_LIMIT: u64 = 64 * 1024 * 1024;
 
 fn options(url: &str) -> StoreResult<SqliteConnectOptions> {
+    // An in-memory database lives only while a connection to it is open,
+    // and the pools close idle and aged connections: once all were closed
+    // at once, every acknowledged job would be gone, and the server would
+    // answer from an empty database without its schema.
+    if url.contains(":memory:") || url.contains("mode=memory") {
+        return Err(StoreError::Config(
+            "an in-memory SQLite database would lose its jobs; name a file, e.g. sqlite://intray.db"
+                .into(),
+        ));
+    }
     Ok(SqliteConnectOptions::from_str(url)?
         .create_if_missing(true)
         .journal_mode(SqliteJournalMode::Wal)
@@ -1531,6 +1541,42 @@ mod tests {
         assert!(
             migrate(&url, true).await.is_err(),
             "intray migrate stays strict"
+        );
+    }
+
+    /// An in-memory database is refused: it would vanish whenever the
+    /// pools happened to close every connection to it, with every job.
+    #[tokio::test]
+    async fn an_in_memory_database_is_refused() {
+        for url in [
+            "sqlite::memory:",
+            "sqlite://file:jobs?mode=memory&cache=shared",
+        ] {
+            let refused = SqliteStore::open(&Settings::new(url), Arc::new(Notifier::new())).await;
+            assert!(
+                matches!(&refused, Err(StoreError::Config(m)) if m.contains("in-memory")),
+                "{url}: {:?}",
+                refused.err()
+            );
+        }
+    }
+
+    /// A database that cannot be written (a volume the kernel remounted
+    /// read-only after disk errors, a file moved away) is unavailable, not
+    /// an internal error: it was answered INTERNAL. Played by `query_only`,
+    /// which fails writes with SQLite's read-only code.
+    #[tokio::test]
+    async fn a_database_that_cannot_be_written_answers_unavailable() {
+        let dir = tempfile::tempdir().expect("dir");
+        let (store, _) = scratch_store(&dir).await;
+        sqlx::raw_sql("PRAGMA query_only = 1")
+            .execute(&store.writer)
+            .await
+            .expect("make the writer read-only");
+        let refused = store.submit("default", vec![new_job()]).await;
+        assert!(
+            matches!(refused, Err(StoreError::Unavailable(_))),
+            "{refused:?}"
         );
     }
 
