@@ -20,6 +20,9 @@ common::backend_tests!(
     handler_success,
     a_busy_slot_gets_its_next_job_with_its_outcome,
     a_server_without_complete_and_lease_gets_plain_completes,
+    a_refused_claim_sends_the_outcome_alone,
+    a_negative_cost_keeps_the_outcome,
+    a_nul_in_progress_keeps_the_lease,
     an_unreported_outcome_holds_the_next_job_back_a_third_of_a_lease,
     heartbeats_ride_out_a_blip,
     a_hung_heartbeat_stops_the_handler_within_its_lease,
@@ -184,6 +187,95 @@ async fn a_server_without_complete_and_lease_gets_plain_completes(backend: Backe
     let calls = |method| worker_calls_ok(server.http_addr, method);
     assert_eq!(calls("Complete").await, JOBS as f64);
     assert_eq!(calls("CompleteAndLease").await, 0.0);
+    server.stop().await;
+}
+
+/// A `CompleteAndLease` refused as a whole (`INVALID_ARGUMENT` for its
+/// claim) applied nothing: the outcome is sent again alone, as it was, not
+/// turned into a failure, and later outcomes go alone from the start.
+async fn a_refused_claim_sends_the_outcome_alone(backend: Backend) {
+    const JOBS: usize = 3;
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let mut ids = Vec::new();
+    for i in 0..JOBS {
+        ids.push(submit(&mut jobs, "q", "echo", json!({"n": i})).await.id);
+    }
+    let (addr, calls) = proxy::start(&server, TENANT, Fault::ClaimRefused).await;
+    let url = format!("http://{addr}");
+    let worker = Running::start(builder_at(&url).queue("q").handler("echo", echo));
+    for id in &ids {
+        let done = wait_for_state(&mut jobs, id, St::Succeeded, LONG).await;
+        assert_eq!(done.attempt, 1, "job {id} ran more than once");
+        assert_eq!(done.cost_cents, 5, "job {id}'s cost went with its outcome");
+    }
+    worker.stop(LONG).await.expect("worker stops cleanly");
+    assert_eq!(
+        calls.chained(),
+        1,
+        "one refused claim switches the worker to Complete for good"
+    );
+    assert_eq!(
+        worker_calls_ok(server.http_addr, "Complete").await,
+        JOBS as f64
+    );
+    server.stop().await;
+}
+
+/// A handler that takes back more cost than it added still gets its
+/// outcome reported: the worker never sends a negative cost, which the
+/// server would refuse with the outcome.
+async fn a_negative_cost_keeps_the_outcome(backend: Backend) {
+    let server = TestServer::start_reaping_fast(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let job = submit(&mut jobs, "q", "refund", json!({})).await;
+    let refund = |_: Job, ctx: JobContext| async move {
+        ctx.add_cost(-1);
+        Ok(json!("done"))
+    };
+    let worker = Running::start(
+        builder(&server)
+            .queue("q")
+            .lease_duration(Duration::from_secs(2))
+            .handler("refund", refund),
+    );
+    let done = wait_for_state(&mut jobs, &job.id, St::Succeeded, LONG).await;
+    assert_eq!(done.attempt, 1, "the outcome of the first attempt was kept");
+    assert_eq!(done.cost_cents, 0);
+    worker.stop(LONG).await.expect("worker stops cleanly");
+    server.stop().await;
+}
+
+/// A progress message holding NUL (which the server refuses in text) does
+/// not get the heartbeats refused: a 4.5 s job under a 2 s lease, reporting
+/// such progress every 50 ms, keeps its lease and succeeds on its first
+/// attempt.
+async fn a_nul_in_progress_keeps_the_lease(backend: Backend) {
+    let server = TestServer::start_reaping_fast(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let job = submit(&mut jobs, "q", "chatty", json!({})).await;
+    let chatty = |_: Job, ctx: JobContext| async move {
+        // Often enough that every heartbeat carries the message.
+        for i in 0..90 {
+            ctx.report_progress(f64::from(i) / 90.0, "a\0b");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(json!("done"))
+    };
+    let worker = Running::start(
+        builder(&server)
+            .queue("q")
+            .lease_duration(Duration::from_secs(2))
+            .handler("chatty", chatty),
+    );
+    let done = wait_for_state(&mut jobs, &job.id, St::Succeeded, LONG).await;
+    assert_eq!(done.attempt, 1, "the job kept its first lease");
+    assert!(
+        done.progress > 0.0,
+        "progress was recorded: {}",
+        done.progress
+    );
+    worker.stop(LONG).await.expect("worker stops cleanly");
     server.stop().await;
 }
 

@@ -158,7 +158,9 @@ impl Session {
     ) -> Result<Self, ClientError> {
         let authorization = authorization(opts.token.as_deref())?;
         let (addr, endpoint) = endpoint(opts)?;
-        let channel = endpoint
+        // Without keepalive, a connection that died silently would hang a
+        // `watch` (or any call) forever.
+        let channel = crate::worker::with_keep_alive(endpoint)
             .tcp_nodelay(true)
             .connect_timeout(CONNECT_TIMEOUT)
             .connect()

@@ -5,9 +5,10 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 use tonic::Code;
+use tonic_types::{ErrorDetails, StatusExt};
 
 use super::backoff::Backoff;
-use super::context::{CancelReason, JobContext};
+use super::context::{CancelReason, JobContext, sendable_text};
 use super::error::JobError;
 use super::heartbeat;
 use super::job::Job;
@@ -188,12 +189,7 @@ fn failure(error: &JobError) -> Outcome {
     if class.is_empty() {
         class = "error".into();
     }
-    let message = error
-        .message
-        .chars()
-        .filter(|c| *c != '\0')
-        .take(MAX_MESSAGE)
-        .collect();
+    let message = sendable_text(&error.message, MAX_MESSAGE);
     Outcome::Failure(Failure {
         error_class: class,
         message,
@@ -207,17 +203,19 @@ fn failure(error: &JobError) -> Outcome {
 /// next job has come back, whose lease is running meanwhile. A success the
 /// server refuses as invalid (a result over the size limit) is reported as
 /// a final failure of class `invalid_result`, and a refused failure as one
-/// of class `invalid_failure`, so the job does not wait out its lease.
+/// of class `invalid_failure`, so the job does not wait out its lease; a
+/// refused cost is dropped rather than the outcome.
 ///
 /// Unless the worker is draining, the first report is a `CompleteAndLease`
 /// that claims the slot's next job in the same transaction; that job is
 /// returned whatever became of the outcome. Later tries go alone, so a slot
-/// never gets two.
+/// never gets two. A `CompleteAndLease` refused as a whole (its claim) says
+/// nothing about the outcome: it is sent again alone, as it was.
 async fn complete(
     shared: &Shared,
     leased: &pb::LeasedJob,
     outcome: Outcome,
-    cost_cents: i64,
+    mut cost_cents: i64,
 ) -> Option<Leased> {
     let mut give_up = Instant::now() + shared.config.lease_duration;
     let mut retry = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
@@ -273,12 +271,25 @@ async fn complete(
                 shared.stop_chaining();
                 continue;
             }
+            // A refusal of the whole call is one of its claim (the outcomes'
+            // are per item), and the claim would be refused again: the
+            // outcome goes alone, as it was, now and from now on.
+            Err(status) if chained && !transient(status.code()) => {
+                tracing::warn!(code = ?status.code(), message = status.message(), "the server refused the claim sent with an outcome; outcomes go alone");
+                shared.stop_chaining();
+                continue;
+            }
             Err(status) => status,
         };
         match status.code() {
             Code::Aborted | Code::NotFound => {
                 tracing::warn!(job_id = %leased.job_id, message = status.message(), "lease lost before the outcome was reported; it is dropped");
                 return next;
+            }
+            // The cost is not worth the outcome.
+            Code::InvalidArgument if cost_cents != 0 && names_cost(&status) => {
+                tracing::warn!(job_id = %leased.job_id, cost_cents, message = status.message(), "the server refused the cost; the outcome goes without it");
+                cost_cents = 0;
             }
             Code::InvalidArgument if !replaced => {
                 tracing::warn!(job_id = %leased.job_id, message = status.message(), "the server refused the outcome");
@@ -296,13 +307,9 @@ async fn complete(
                     }),
                 };
             }
-            Code::Unavailable
-            | Code::Unknown
-            | Code::DeadlineExceeded
-            | Code::Internal
-            | Code::ResourceExhausted
-            | Code::Cancelled
-                if Instant::now() < give_up && !shared.forced.is_cancelled() =>
+            code if transient(code)
+                && Instant::now() < give_up
+                && !shared.forced.is_cancelled() =>
             {
                 // The last try comes at the limit, not a backoff past it.
                 let delay = retry
@@ -339,12 +346,46 @@ async fn complete_and_lease(
     let answer = client.complete_and_lease(request).await?.into_inner();
     let refused = match answer.results.into_iter().next().and_then(|r| r.result) {
         Some(Item::Job(_)) => None,
-        Some(Item::Error(e)) => Some(tonic::Status::new(Code::from(e.code), e.message)),
+        Some(Item::Error(e)) => Some(item_status(e)),
         None => Some(tonic::Status::internal(
             "CompleteAndLease answered no result",
         )),
     };
     Ok((refused, answer.jobs.into_iter().next()))
+}
+
+/// Whether a call that failed with `code` may get through when tried again.
+fn transient(code: Code) -> bool {
+    matches!(
+        code,
+        Code::Unavailable
+            | Code::Unknown
+            | Code::DeadlineExceeded
+            | Code::Internal
+            | Code::ResourceExhausted
+            | Code::Cancelled
+    )
+}
+
+/// An item's refusal as the status a plain `Complete` would have got,
+/// naming the refused field the same way.
+fn item_status(error: pb::ItemError) -> tonic::Status {
+    let code = Code::from(error.code);
+    if error.field.is_empty() {
+        return tonic::Status::new(code, error.message);
+    }
+    let details = ErrorDetails::with_bad_request_violation(error.field, error.message.clone());
+    tonic::Status::with_error_details(code, error.message, details)
+}
+
+/// Whether a refusal names the outcome's cost (`cost_cents`, or an item's
+/// `items[0].cost_cents`).
+fn names_cost(status: &tonic::Status) -> bool {
+    status.get_error_details().bad_request().is_some_and(|b| {
+        b.field_violations
+            .iter()
+            .any(|v| v.field == "cost_cents" || v.field.ends_with(".cost_cents"))
+    })
 }
 
 #[cfg(test)]
@@ -356,6 +397,20 @@ mod tests {
             Outcome::Failure(f) => f,
             Outcome::Success(_) => panic!("a failure"),
         }
+    }
+
+    #[test]
+    fn refusals_of_the_cost_are_told_apart() {
+        let item = |field: &str| pb::ItemError {
+            code: Code::InvalidArgument as i32,
+            message: "must not be negative".into(),
+            field: field.into(),
+        };
+        assert!(names_cost(&item_status(item("items[0].cost_cents"))));
+        assert!(names_cost(&item_status(item("cost_cents"))));
+        assert!(!names_cost(&item_status(item("success.result"))));
+        assert!(!names_cost(&item_status(item(""))));
+        assert!(!names_cost(&tonic::Status::invalid_argument("cost_cents")));
     }
 
     #[test]

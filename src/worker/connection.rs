@@ -89,18 +89,30 @@ pub(crate) fn endpoint(addr: &str) -> Result<Endpoint, WorkerError> {
         .map_err(|e| WorkerError::Config(format!("invalid server address {uri:?}: {e}")))
 }
 
+/// How often an HTTP/2 PING checks the connection, busy or idle.
+const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(20);
+/// A PING unanswered this long closes the connection.
+const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `endpoint` with HTTP/2 keepalive: a connection that died silently
+/// (a half-open one, behind a NAT or load balancer that dropped it) would
+/// otherwise hang a long-poll or a stream forever; with it, the call fails
+/// within half a minute. The CLI's connections use it too.
+pub(crate) fn with_keep_alive(endpoint: Endpoint) -> Endpoint {
+    endpoint
+        .http2_keep_alive_interval(KEEP_ALIVE_INTERVAL)
+        .keep_alive_timeout(KEEP_ALIVE_TIMEOUT)
+        .keep_alive_while_idle(true)
+}
+
 /// A client on a lazily connected channel: nothing is dialled until the
 /// first call, and a broken connection is re-dialled on the next call, so a
 /// worker started before its server, or outliving a restart, just works (its
 /// calls fail with `UNAVAILABLE` meanwhile and the loops back off).
 pub(crate) fn client(endpoint: Endpoint, metadata: CallMetadata) -> Client {
-    let channel = endpoint
+    let channel = with_keep_alive(endpoint)
         .tcp_nodelay(true)
         .connect_timeout(Duration::from_secs(5))
-        // A half-open connection would otherwise hang a long-poll forever.
-        .http2_keep_alive_interval(Duration::from_secs(20))
-        .keep_alive_timeout(Duration::from_secs(10))
-        .keep_alive_while_idle(true)
         .connect_lazy();
     WorkerServiceClient::with_interceptor(channel, metadata)
         .max_decoding_message_size(MAX_RESPONSE_BYTES)

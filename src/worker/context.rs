@@ -103,11 +103,9 @@ impl JobContext {
         } else {
             fraction.clamp(0.0, 1.0)
         };
-        let mut message: String = message.into();
-        // The server takes up to 1024 characters.
-        if let Some((cut, _)) = message.char_indices().nth(1024) {
-            message.truncate(cut);
-        }
+        // A message the server refuses would get every heartbeat refused
+        // with it, and the lease lost.
+        let message = sendable_text(&message.into(), MAX_PROGRESS_MESSAGE);
         *self
             .inner
             .progress
@@ -117,14 +115,23 @@ impl JobContext {
     }
 
     /// Adds to the attempt's cost, reported with its outcome (the server
-    /// sums it over attempts).
+    /// sums it over attempts). A negative amount takes back part of what
+    /// was added; the sum saturates rather than wraps, and is reported as
+    /// 0 while it is below 0 (the server refuses a negative cost, and the
+    /// outcome with it).
     pub fn add_cost(&self, cents: i64) {
-        self.inner.cost_cents.fetch_add(cents, Ordering::Relaxed);
+        // The closure always returns Some, so this never fails.
+        let _ = self
+            .inner
+            .cost_cents
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |sum| {
+                Some(sum.saturating_add(cents))
+            });
     }
 
-    /// The cost reported so far in this attempt.
+    /// The cost reported so far in this attempt: never below 0.
     pub fn cost_cents(&self) -> i64 {
-        self.inner.cost_cents.load(Ordering::Relaxed)
+        self.inner.cost_cents.load(Ordering::Relaxed).max(0)
     }
 
     /// Fires the token; the first reason given is the one kept.
@@ -144,6 +151,15 @@ impl JobContext {
     pub(crate) async fn progress_reported(&self) {
         self.inner.progress_reported.notified().await;
     }
+}
+
+/// The longest progress message the server takes, in characters.
+const MAX_PROGRESS_MESSAGE: usize = 1024;
+
+/// `text` as the server takes free text: without NUL (which PostgreSQL
+/// cannot store, so the server refuses it) and cut at `max` characters.
+pub(super) fn sendable_text(text: &str, max: usize) -> String {
+    text.chars().filter(|c| *c != '\0').take(max).collect()
 }
 
 #[cfg(test)]
@@ -171,6 +187,8 @@ mod tests {
         ctx.report_progress(f64::NAN, "x".repeat(2000));
         let (p, m) = ctx.take_progress().unwrap_or_default();
         assert_eq!((p, m.len()), (0.0, 1024));
+        ctx.report_progress(0.1, "a\0b");
+        assert_eq!(ctx.take_progress(), Some((0.1, "ab".into())));
     }
 
     #[test]
@@ -179,6 +197,13 @@ mod tests {
         ctx.add_cost(3);
         ctx.add_cost(4);
         assert_eq!(ctx.cost_cents(), 7);
+        ctx.add_cost(-10);
+        assert_eq!(ctx.cost_cents(), 0, "a negative sum is reported as 0");
+        ctx.add_cost(5);
+        assert_eq!(ctx.cost_cents(), 2);
+        ctx.add_cost(i64::MAX);
+        ctx.add_cost(i64::MAX);
+        assert_eq!(ctx.cost_cents(), i64::MAX, "the sum saturates");
         assert_eq!(ctx.traceparent(), None);
         let ctx = JobContext::new("j".into(), 2, "00-ab-cd-01".into());
         assert_eq!(ctx.traceparent(), Some("00-ab-cd-01"));

@@ -72,6 +72,7 @@ mod runner;
 
 pub use builder::WorkerBuilder;
 pub use connection::TENANT_METADATA;
+pub(crate) use connection::with_keep_alive;
 pub use context::{CancelReason, JobContext};
 pub use error::{JobError, WorkerError};
 pub use job::Job;

@@ -28,6 +28,10 @@ pub enum Fault {
     /// Every heartbeat is left unanswered (a stalled server or network),
     /// until its caller gives up on it.
     HeartbeatsHang,
+    /// Every `CompleteAndLease` is refused as a whole, `INVALID_ARGUMENT`
+    /// naming its claim, as the server refuses a claim it cannot take (a
+    /// lease over its `--max-lease-duration`, say); nothing is written.
+    ClaimRefused,
 }
 
 /// The proxy's count of calls, by method.
@@ -150,6 +154,9 @@ impl WorkerService for Proxy {
         let first = self.calls.chained.fetch_add(1, Ordering::SeqCst) == 0;
         match self.fault {
             Fault::OlderServer => Err(Status::unimplemented("unknown method CompleteAndLease")),
+            Fault::ClaimRefused => Err(Status::invalid_argument(
+                "lease.lease_duration: must be between 1s and 1h (injected by the test proxy)",
+            )),
             Fault::OutcomeUnavailable if first => {
                 self.lease_without_the_outcome(request.into_inner()).await
             }
