@@ -34,6 +34,7 @@ backend_tests!(
     dashboard_and_metrics_are_served,
     unknown_host_names_are_refused_in_open_mode,
     probes_answer_any_host_and_readiness_fails_while_draining,
+    a_resumed_event_stream_draws_one_token,
 );
 
 /// One HTTP answer.
@@ -533,6 +534,17 @@ async fn retry_by_filter_with_dry_run(backend: Backend) {
 async fn dead_set_is_grouped_by_error_class_and_queue(backend: Backend) {
     let server = TestServer::start(backend).await;
     let http = Http::new(&server);
+    // A bad parameter is named as sent (it was `filter.states`).
+    for (query, field) in [("state=queued", "state"), ("queue=a%20b", "queue")] {
+        let refused = http
+            .get(&format!("/api/v1/dead-set?{query}"))
+            .await
+            .expect_error(400, "INVALID_ARGUMENT");
+        assert_eq!(
+            refused["details"][0]["fieldViolations"][0]["field"], field,
+            "{query}"
+        );
+    }
     let mut grpc = server.jobs_client("default");
     let mut workers = server.workers_client("default");
     for (queue, class) in [
@@ -977,6 +989,14 @@ async fn openapi_lists_every_route_the_router_serves(backend: Backend) {
     assert_eq!(param("state")["schema"]["type"], "array");
     assert_eq!(param("label")["schema"]["type"], "array");
     assert_eq!(param("page_size")["schema"]["type"], "integer");
+    assert_eq!(
+        (
+            &param("page_size")["schema"]["minimum"],
+            &param("page_size")["schema"]["maximum"]
+        ),
+        (&json!(1), &json!(1000)),
+        "the bounds the server holds it to"
+    );
     assert!(
         doc["paths"]["/api/v1/jobs/{id}/events"]["get"]["responses"]["204"].is_object(),
         "the stream's 204 is documented"
@@ -1027,10 +1047,14 @@ async fn openapi_lists_every_route_the_router_serves(backend: Backend) {
     http.get("/api/v1/queues")
         .await
         .expect_error(404, "NOT_FOUND");
-    let delete = http
-        .send("DELETE", &format!("/api/v1/jobs/{id}"), None)
-        .await;
-    assert_eq!(delete.status, 405);
+    // A served path with another method: 405, with the JSON error body
+    // every other refusal has (it was empty).
+    http.send("DELETE", &format!("/api/v1/jobs/{id}"), None)
+        .await
+        .expect_error(405, "UNIMPLEMENTED");
+    http.get("/api/v1/jobs:retry")
+        .await
+        .expect_error(405, "UNIMPLEMENTED");
     server.stop().await;
 }
 
@@ -1194,4 +1218,37 @@ async fn probes_answer_any_host_and_readiness_fails_while_draining(backend: Back
         "checked inside the delay"
     );
     server.stop().await;
+}
+
+/// Resuming an event stream is one call: its check whether the job has
+/// ended draws no token of its own and is not counted as a `Get`. It drew
+/// one, so each reconnect cost two, and under a burst of one every
+/// reconnect was refused `429`, which stops an `EventSource` for good.
+async fn a_resumed_event_stream_draws_one_token(backend: Backend) {
+    let server = TestServer::start_with(backend, |s| {
+        s.rate_limit = Some(RateLimit {
+            per_second: 0.01,
+            burst: 3,
+        });
+    })
+    .await;
+    let http = Http::new(&server);
+    let job = submit_http(&http, "resumed", "k").await;
+    let path = format!("/api/v1/jobs/{}", id_of(&job));
+    assert_eq!(
+        http.post(&format!("{path}:cancel"), json!({})).await.status,
+        200
+    );
+    let resumed = http
+        .clone()
+        .with("last-event-id", "1")
+        .get(&format!("{path}/events"))
+        .await;
+    assert_eq!(resumed.status, 200, "the third call of a burst of three");
+    let metrics = parse(&scrape(server.http_addr).await);
+    assert_eq!(
+        metrics.get(r#"intray_rpc_responses_total{method="/intray.v1.JobService/Get",code="OK"}"#),
+        None,
+        "the route's own look at the job is not a Get"
+    );
 }

@@ -73,8 +73,17 @@ impl JobsApi {
     ) -> Result<Response<serde_json::Value>, Status> {
         let tenant = tenant_of(&request)?;
         let f = request.get_ref();
-        let states = convert::from_states("states", &f.states)?;
-        let mut filter = validate::retry_filter(&f.queue, &f.kind, &f.error_class, states, None)?;
+        let states = convert::from_states("state", &f.states)?;
+        // Refusals name the query's parameters, not the Retry filter's
+        // fields this shares its checks with.
+        let mut filter = validate::retry_filter(&f.queue, &f.kind, &f.error_class, states, None)
+            .map_err(|mut invalid| {
+                invalid.field = match invalid.field.as_str() {
+                    "filter.states" => "state".into(),
+                    field => field.trim_start_matches("filter.").into(),
+                };
+                invalid
+            })?;
         filter.limit = GROUPED_JOBS;
         let grouped = self.ctx.store.group_matching(&tenant, &filter).await?;
         let groups: Vec<serde_json::Value> =

@@ -32,6 +32,14 @@ pub enum HttpError {
     /// Nothing is served at this path.
     #[error("no route for {0}")]
     NoRoute(String),
+    /// The path is served, but not with this method.
+    #[error("{method} is not served at {path}")]
+    NoMethod {
+        /// The request's method.
+        method: String,
+        /// The request's path.
+        path: String,
+    },
 }
 
 impl From<ValidationError> for HttpError {
@@ -47,6 +55,7 @@ impl HttpError {
             HttpError::Rpc(status) => status.code(),
             HttpError::TooLarge { .. } => Code::ResourceExhausted,
             HttpError::NoRoute(_) => Code::NotFound,
+            HttpError::NoMethod { .. } => Code::Unimplemented,
         }
     }
 
@@ -54,6 +63,7 @@ impl HttpError {
     pub fn status(&self) -> StatusCode {
         match self {
             HttpError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            HttpError::NoMethod { .. } => StatusCode::METHOD_NOT_ALLOWED,
             _ => status_for(self.code()),
         }
     }

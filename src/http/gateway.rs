@@ -137,12 +137,14 @@ impl Gateway {
 
     /// The request the service sees for `message` sent with `headers`, or
     /// why the caller may not make it (`UNAUTHENTICATED`,
-    /// `PERMISSION_DENIED`, `RESOURCE_EXHAUSTED` when over its rate).
+    /// `PERMISSION_DENIED`, `RESOURCE_EXHAUSTED` when over its rate, if
+    /// the call is `rated`).
     fn request<T>(
         &self,
         method: Method,
         headers: &HeaderMap,
         message: T,
+        rated: bool,
     ) -> Result<Request<T>, Status> {
         let identity = authorize(&self.tokens, method.path(), headers)?;
         let mut request = Request::new(message);
@@ -153,7 +155,8 @@ impl Gateway {
             .and_then(TraceParent::parse);
         request.extensions_mut().insert(CallTrace(trace));
         if let Some(identity) = identity {
-            if let Some(limiter) = &self.limits.rate
+            if rated
+                && let Some(limiter) = &self.limits.rate
                 && let Err(retry_after) = limiter.check(&identity.principal, Instant::now())
             {
                 return Err(ProtectError::RateLimited { retry_after }.into());
@@ -197,7 +200,7 @@ impl Gateway {
     where
         F: Future<Output = Result<Response<R>, Status>>,
     {
-        let request = self.request(method, headers, message)?;
+        let request = self.request(method, headers, message, true)?;
         let limit = self.limits.timeout;
         let slots = Arc::clone(&self.limits.slots);
         let jobs = Arc::clone(&self.jobs);
@@ -208,6 +211,31 @@ impl Gateway {
             call(jobs, request).await
         };
         match tokio::time::timeout(limit, work).await {
+            Ok(answer) => answer.map(Response::into_inner),
+            Err(_) => Err(ProtectError::Timeout { limit }.into()),
+        }
+    }
+
+    /// A read the HTTP face makes on its own behalf while serving a route
+    /// (the event stream's check whether a resumed job has ended):
+    /// authorized as `method` for the caller and under the call timeout, but
+    /// neither drawn from the caller's rate limit nor counted, since the
+    /// caller made one call, the route's. Drawn and counted, it spent a
+    /// second token of every reconnect: under a burst of one, each was
+    /// refused.
+    pub async fn look_up<T, R, F>(
+        &self,
+        method: Method,
+        headers: &HeaderMap,
+        message: T,
+        call: impl FnOnce(Arc<JobsApi>, Request<T>) -> F,
+    ) -> Result<R, Status>
+    where
+        F: Future<Output = Result<Response<R>, Status>>,
+    {
+        let request = self.request(method, headers, message, false)?;
+        let limit = self.limits.timeout;
+        match tokio::time::timeout(limit, call(Arc::clone(&self.jobs), request)).await {
             Ok(answer) => answer.map(Response::into_inner),
             Err(_) => Err(ProtectError::Timeout { limit }.into()),
         }

@@ -254,3 +254,11 @@ pub async fn post_on_queue(
 pub async fn no_route(uri: axum::http::Uri) -> impl IntoResponse {
     HttpError::NoRoute(uri.path().to_owned())
 }
+
+/// A served path with another method: a JSON 405 rather than an empty one.
+pub async fn no_method(method: axum::http::Method, uri: axum::http::Uri) -> impl IntoResponse {
+    HttpError::NoMethod {
+        method: method.to_string(),
+        path: uri.path().to_owned(),
+    }
+}

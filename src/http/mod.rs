@@ -83,6 +83,7 @@ pub fn router(
         .route("/api/v1/queues/{queue}", post(jobs::post_on_queue))
         .route(openapi::PATH, get(openapi::serve))
         .route("/api/v1/{*rest}", axum::routing::any(jobs::no_route))
+        .method_not_allowed_fallback(jobs::no_method)
         .layer(DefaultBodyLimit::max(body::MAX_BODY_BYTES))
         .route_layer(axum::middleware::from_fn_with_state(
             Arc::clone(&gateway),

@@ -177,7 +177,12 @@ pub const OPERATIONS: &[Operation] = &[
 /// (`state=failed&state=expired`), the rest are one string each.
 fn query_parameter(name: &str) -> Value {
     let schema = match name {
-        "page_size" | "after_sequence" => json!({"type": "integer", "minimum": 0}),
+        "page_size" => json!({
+            "type": "integer",
+            "minimum": 1,
+            "maximum": crate::domain::validate::MAX_PAGE_SIZE,
+        }),
+        "after_sequence" => json!({"type": "integer", "minimum": 0}),
         "state" | "label" => json!({"type": "array", "items": {"type": "string"}}),
         _ => json!({"type": "string"}),
     };

@@ -102,7 +102,7 @@ pub async fn events(
 async fn is_finished(gateway: &Gateway, headers: &HeaderMap, id: &str) -> Result<bool, HttpError> {
     let request = pb::GetJobRequest { id: id.to_owned() };
     let job = gateway
-        .call(Method::Get, headers, request, |jobs, r| async move {
+        .look_up(Method::Get, headers, request, |jobs, r| async move {
             jobs.get(r).await
         })
         .await?;
