@@ -6,7 +6,7 @@
 //! and coalesced across them. Hot-path calls come in batches (the coalescers
 //! of `engine::batchers`), and each batch is a handful of set-based statements.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
@@ -1910,8 +1910,6 @@ impl PgStore {
             .unreadable
             .readable(rows, job_from_row, row_key, "a claim");
         let mut claimed: Vec<Vec<Job>> = claim.specs.iter().map(|_| Vec::new()).collect();
-        let mut tenants: BTreeSet<&str> = claim.only_tenant.into_iter().collect();
-        let taken = jobs.len();
         for (row, job) in jobs {
             let slot: i64 = row.try_get("slot")?;
             let caller = usize::try_from(slot - 1)
@@ -1920,23 +1918,7 @@ impl PgStore {
                 .ok_or_else(|| corrupt("slot"))?;
             changes.job_event(&job, &JobEvent::leased(&job));
             self.keep_leased(row, &job);
-            if claim.only_tenant.is_none() {
-                tenants.insert(row.try_get("tenant")?);
-            }
             claimed[*caller].push(job);
-        }
-        // A claim over several queues locks up to a full batch in each and
-        // takes the best across them: a claim beside it skipped the rest,
-        // and its caller may have parked while jobs were runnable. They are
-        // free once this one commits, so a claim that may have passed over
-        // some (it filled up, or caps skipped candidates) wakes its queues'
-        // waiters. A claim across tenants wakes those it took jobs of.
-        if claim.queues.len() > 1 && (taken == claim.slot_caller.len() || claim.capped) {
-            for tenant in tenants {
-                for queue in claim.queues {
-                    changes.queue(tenant, queue);
-                }
-            }
         }
         for jobs in &mut claimed {
             jobs.sort_by(|a, b| {
@@ -3818,45 +3800,6 @@ mod tests {
         .await
         .expect("the last submit is announced");
         drop(other);
-        scratch.drop().await;
-    }
-
-    /// A claim over several queues that may have passed over jobs it
-    /// locked (it filled up) wakes its queues' waiters once it commits: a
-    /// claim beside it skipped those jobs, and its caller may have parked
-    /// while they were runnable. Before, nothing woke it until its next
-    /// poll.
-    #[tokio::test]
-    async fn a_full_claim_over_several_queues_wakes_their_waiters() {
-        let scratch = Scratch::new("intray_claim_wakes").await;
-        let notifier = Arc::new(Notifier::new());
-        let store = PgStore::open(&Settings::new(&scratch.url), Arc::clone(&notifier))
-            .await
-            .expect("open the store");
-        let tenant = "default";
-        let jobs = ["q1", "q2"].map(|queue| {
-            let mut job = new_job();
-            job.queue = queue.into();
-            job
-        });
-        store
-            .submit(tenant, jobs.to_vec())
-            .await
-            .expect("submit")
-            .into_iter()
-            .for_each(|s| drop(s.expect("stored")));
-        let mut woken = notifier.subscribe_queues();
-        let mut spec = lease_spec("w", 1);
-        spec.queues = vec!["q1".into(), "q2".into()];
-        let leased = store.lease(tenant, &[spec]).await.expect("lease");
-        assert_eq!(leased.iter().flatten().count(), 1);
-        let mut keys = Vec::new();
-        while let Ok(key) = woken.try_recv() {
-            keys.push(key.to_string());
-        }
-        keys.sort();
-        assert_eq!(keys, ["default/q1", "default/q2"]);
-        drop(store);
         scratch.drop().await;
     }
 
