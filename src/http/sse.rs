@@ -73,10 +73,18 @@ pub async fn events(
     headers: HeaderMap,
 ) -> Result<Response, HttpError> {
     let after_sequence = resume_point(&headers, raw.as_deref())?;
-    let finished = after_sequence > 0 && is_finished(&gateway, &headers, &id).await?;
+    // The watch first: it draws the caller's token, and a caller over its
+    // rate gets no read of the job.
     let mut stream = gateway
-        .watch(&headers, pb::WatchJobRequest { id, after_sequence })
+        .watch(
+            &headers,
+            pb::WatchJobRequest {
+                id: id.clone(),
+                after_sequence,
+            },
+        )
         .await?;
+    let finished = after_sequence > 0 && is_finished(&gateway, &headers, &id).await?;
     // A finished job's stream ends as soon as its stored events are read,
     // so waiting for the first one is short.
     let first = if finished {
