@@ -389,6 +389,7 @@ pub async fn run_with(
             tracing::error!(error = %err, "file watch task failed");
         }
     }
+    store.close().await;
     served?;
     http_served?;
     Ok(())

@@ -722,19 +722,18 @@ async fn an_http_call_its_client_left_is_counted() {
         .expect("send the request");
     waits_on_a_lock(&mut watcher, "the submit waits for the key").await;
     drop(client);
-    // Time for the server to see the connection closed while the call
-    // still waits.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    sqlx::raw_sql("ROLLBACK")
-        .execute(&mut holder)
-        .await
-        .expect("ROLLBACK");
+    // Counted while the submit still waits on the lock: the call was
+    // dropped, not answered.
     counted_once(
         &server,
         &[r#"intray_rpc_responses_total{method="/intray.v1.JobService/Submit",code="CANCELLED"}"#],
         "the call counted",
     )
     .await;
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut holder)
+        .await
+        .expect("ROLLBACK");
     server.stop().await;
 }
 

@@ -402,10 +402,16 @@ pub trait Store: Send + Sync + 'static {
     /// counts, SQLite scans).
     async fn queue_depths(&self) -> StoreResult<Vec<QueueDepth>>;
 
-    /// Every tenant's queues with the workers that leased from them within
-    /// `since`, or hold a lease there now (as `Stats` counts them), for the
-    /// metrics gauges.
+    /// Every tenant's queues with the workers whose last `Lease` named them,
+    /// made within `since` or holding a lease of the tenant now (as `Stats`
+    /// counts them), for the metrics gauges.
     async fn active_workers(&self, since: Duration) -> StoreResult<Vec<QueueWorkers>>;
+
+    /// Ends the store's background tasks once the server is done with it,
+    /// and waits, briefly, for what they still owe: on PostgreSQL the last
+    /// notification to the other replicas of what committed (the runtime
+    /// ends with the server, and would drop it mid-send). Nothing on SQLite.
+    async fn close(&self) {}
 
     /// Job rows this store has left out of claims and reaper passes since
     /// it opened because they could not be read (see `unreadable`), each

@@ -85,8 +85,11 @@ pub struct PgStore {
     breaker: BreakerPolicy,
     /// What committed, for the task that tells other replicas.
     committed: mpsc::UnboundedSender<Changes>,
-    /// Stops the LISTEN and NOTIFY tasks when the store is dropped.
+    /// Stops the LISTEN and NOTIFY tasks when the store is closed or
+    /// dropped.
     listener_stop: CancellationToken,
+    /// The NOTIFY task, for [`Store::close`] to wait for its last one.
+    announcer: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// Jobs per queue and state, kept by the database.
     counts: Counts,
     unreadable: Unreadable,
@@ -1226,7 +1229,7 @@ const ANNOUNCE_GAP: Duration = Duration::from_millis(5);
 /// commits: whatever committed while the previous NOTIFY was in flight, or
 /// within [`ANNOUNCE_GAP`] of it, goes into the next one. A notification is
 /// only a hint (replicas also re-read on a timer), so one lost in a crash
-/// costs latency, never a job. On `stop` (the store dropped, at shutdown)
+/// costs latency, never a job. On `stop` (the store closed, at shutdown)
 /// what committed and is not yet sent goes out in a last one: the calls
 /// finished during the shutdown grace would otherwise reach other
 /// replicas' watchers only at their fallback poll.
@@ -1334,7 +1337,7 @@ impl PgStore {
             listener_stop.clone(),
         ));
         let (committed, to_announce) = mpsc::unbounded_channel();
-        tokio::spawn(announce(
+        let announcer = tokio::spawn(announce(
             Arc::clone(&planned),
             origin,
             to_announce,
@@ -1349,6 +1352,7 @@ impl PgStore {
             breaker: settings.breaker.clone(),
             committed,
             listener_stop,
+            announcer: std::sync::Mutex::new(Some(announcer)),
             unreadable: Unreadable::default(),
             leased: Leased::default(),
             clock: DbClock::default(),
@@ -2656,6 +2660,18 @@ impl Store for PgStore {
         rows.iter().map(queue_workers).collect()
     }
 
+    async fn close(&self) {
+        self.listener_stop.cancel();
+        let announcer = self.announcer.lock().ok().and_then(|mut a| a.take());
+        if let Some(announcer) = announcer
+            && tokio::time::timeout(Duration::from_secs(2), announcer)
+                .await
+                .is_err()
+        {
+            tracing::warn!("the last notification to other replicas did not go out in time");
+        }
+    }
+
     fn unreadable_rows(&self) -> u64 {
         self.unreadable.left_out()
     }
@@ -3793,6 +3809,7 @@ mod tests {
                 .remove(0)
                 .expect("stored");
         }
+        stopping.close().await;
         drop(stopping);
         tokio::time::timeout(Duration::from_secs(10), async {
             while &*woken.recv().await.expect("a wake-up") != "default/last" {}

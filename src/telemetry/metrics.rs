@@ -214,7 +214,7 @@ impl Metrics {
             ),
             workers: Family::new(
                 "intray_workers",
-                "Workers that leased from the queue in the last five minutes or hold a lease there (refreshed on a timer).",
+                "Workers whose last Lease named the queue, within five minutes or while they hold a lease (refreshed on a timer).",
                 &["tenant", "queue"],
             ),
             queue_wait: Family::new(

@@ -272,11 +272,20 @@ async fn complete(
                 continue;
             }
             // A refusal of the whole call is one of its claim (the outcomes'
-            // are per item), and the claim would be refused again: the
-            // outcome goes alone, as it was, now and from now on.
+            // are per item): the outcome goes alone, as it was. A claim
+            // refused as invalid would be refused again, so later outcomes
+            // go alone too; another refusal (a token being rotated, say)
+            // says nothing of the next call's.
             Err(status) if chained && !transient(status.code()) => {
-                tracing::warn!(code = ?status.code(), message = status.message(), "the server refused the claim sent with an outcome; outcomes go alone");
-                shared.stop_chaining();
+                if status.code() == Code::InvalidArgument {
+                    tracing::warn!(
+                        message = status.message(),
+                        "the server refused the claim sent with an outcome; outcomes go alone"
+                    );
+                    shared.stop_chaining();
+                } else {
+                    tracing::warn!(code = ?status.code(), message = status.message(), "the server refused a CompleteAndLease; this outcome goes alone");
+                }
                 continue;
             }
             Err(status) => status,
