@@ -342,6 +342,15 @@ async fn ingress_verifies_dedupes_and_refuses(backend: Backend) {
         said["error"].as_str().is_some_and(|e| e.contains("2^53")),
         "says what to change: {said}"
     );
+    // A body that cannot be read (a malformed chunk) is not too large: it
+    // was answered 413.
+    let (head, _) = http_exchange(
+        addr,
+        "POST /hooks/payments HTTP/1.1\r\nhost: localhost\r\n\
+         transfer-encoding: chunked\r\nconnection: close\r\n\r\nzz\r\n",
+    )
+    .await;
+    assert!(head.starts_with("HTTP/1.1 400"), "{head}");
     // A tampered body under a valid signature of another body.
     let headers = [
         ("webhook-id", "msg_8".to_owned()),

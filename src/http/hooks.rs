@@ -59,6 +59,20 @@ impl Ingress {
 }
 
 /// A plain `{error}` answer: the sender is a provider, not an intray client.
+/// Whether reading a body failed on its size limit, rather than on a
+/// broken upload (a malformed chunk, a cut connection), which is not the
+/// provider's body being too large.
+fn over_limit(err: &axum::Error) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(err);
+    while let Some(e) = cause {
+        if e.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
+}
+
 fn refuse(status: StatusCode, error: &str) -> Response {
     body::json(status, &json!({ "error": error }))
 }
@@ -98,11 +112,20 @@ async fn handle(
     let Some(source) = source else {
         return refuse(StatusCode::NOT_FOUND, "unknown webhook source");
     };
-    let Ok(body) = axum::body::to_bytes(body, ingress.max_body_bytes).await else {
-        return HttpError::TooLarge {
-            limit: ingress.max_body_bytes,
+    let body = match axum::body::to_bytes(body, ingress.max_body_bytes).await {
+        Ok(body) => body,
+        Err(err) if over_limit(&err) => {
+            return HttpError::TooLarge {
+                limit: ingress.max_body_bytes,
+            }
+            .into_response();
         }
-        .into_response();
+        Err(_) => {
+            return refuse(
+                StatusCode::BAD_REQUEST,
+                "the request body could not be read",
+            );
+        }
     };
     let verified = (|| {
         let id = header(headers, "webhook-id")?;
