@@ -14,6 +14,9 @@ CHART = pathlib.Path(__file__).parent / "intray"
 K8S_VERSION = "1.30.0"
 # The export timeout of the last traces, flushed after the drain (src/telemetry/otlp.rs).
 TRACE_FLUSH = 10
+# How long the store waits for its last notification to the other replicas
+# after the drain (CLOSE_WAIT in src/store/postgres.rs).
+LAST_NOTIFY = 2
 failures = []
 
 
@@ -73,9 +76,9 @@ def check_ports_and_grace(docs, vals, what):
     grace = seconds(env.get("INTRAY_SHUTDOWN_GRACE") or "20s")
     delay = seconds(env.get("INTRAY_SHUTDOWN_DELAY") or "0s")
     check(seconds(env["INTRAY_RPC_TIMEOUT"]) <= grace
-          and delay + grace + TRACE_FLUSH <= pod["terminationGracePeriodSeconds"],
+          and delay + grace + LAST_NOTIFY + TRACE_FLUSH <= pod["terminationGracePeriodSeconds"],
           f"{what}: in-flight calls get the RPC timeout, and SIGKILL comes after the delay,"
-          " the grace and the traces' export")
+          " the grace, the last notification and the traces' export")
     svc = cluster_service(docs)
     targets = {p["name"]: p["targetPort"] for p in svc["spec"]["ports"]}
     check(targets == {"grpc": "grpc", "http": "http"}, f"{what}: the service exposes grpc and http")

@@ -35,7 +35,6 @@ backend_tests!(
     unknown_host_names_are_refused_in_open_mode,
     probes_answer_any_host_and_readiness_fails_while_draining,
     a_resumed_event_stream_draws_one_token,
-    null_reads_as_an_unset_field,
 );
 
 /// One HTTP answer.
@@ -1259,50 +1258,4 @@ async fn a_resumed_event_stream_draws_one_token(backend: Backend) {
         .await
         .expect_error(429, "RESOURCE_EXHAUSTED");
     server.stop().await;
-}
-
-/// proto3 JSON reads `null` as the field's default, as clients that send
-/// `null` for what they leave unset expect; in a `payload` it is the JSON
-/// null. Such bodies were refused `400` ("invalid type: null").
-async fn null_reads_as_an_unset_field(backend: Backend) {
-    let server = TestServer::start(backend).await;
-    let http = Http::new(&server);
-    let nulls = json!({
-        "queue": "nulls", "kind": "k", "payload": null, "priority": null,
-        "labels": null, "idempotencyKey": null, "maxAttempts": null, "runAt": null,
-    });
-    let stored = http.post("/api/v1/jobs", nulls.clone()).await;
-    assert_eq!(
-        stored.status,
-        202,
-        "{}",
-        String::from_utf8_lossy(&stored.body)
-    );
-    let job = stored.json();
-    assert_eq!(job["state"], "JOB_STATE_QUEUED");
-    // Defaults are left out of proto3 JSON answers.
-    for field in ["payload", "priority", "idempotencyKey", "labels"] {
-        assert_eq!(job[field], Value::Null, "{field}: {job}");
-    }
-    let batch = http
-        .post("/api/v1/jobs:batch", json!({"jobs": [nulls], "unknown": 1}))
-        .await;
-    assert_eq!(batch.status, 400, "an unknown field stays refused");
-    let batch = http
-        .post(
-            "/api/v1/jobs:batch",
-            json!({"jobs": [{"queue": "nulls", "kind": "k", "priority": null}]}),
-        )
-        .await;
-    assert_eq!(
-        batch.status,
-        200,
-        "{}",
-        String::from_utf8_lossy(&batch.body)
-    );
-    assert!(
-        batch.json()["results"][0]["ok"]["job"].is_object(),
-        "{}",
-        batch.json()
-    );
 }

@@ -31,49 +31,14 @@ pub fn bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, HttpError> {
 }
 
 /// Reads a message from its JSON; an empty body is the message with every
-/// field unset, as an empty protobuf message is. A body the generated
-/// decoders refuse is read again without its `null`s (see [`without_nulls`]).
+/// field unset, as an empty protobuf message is.
 pub fn parse<T: DeserializeOwned + Default>(body: &[u8]) -> Result<T, HttpError> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok(T::default());
     }
-    let refused = |e: serde_json::Error| -> HttpError {
+    serde_json::from_slice(body).map_err(|e| {
         ValidationError::new("body", format!("not valid proto3 JSON for this call: {e}")).into()
-    };
-    match serde_json::from_slice(body) {
-        Ok(message) => Ok(message),
-        Err(first) if body.windows(4).any(|w| w == b"null") => {
-            let mut value: serde_json::Value = serde_json::from_slice(body).map_err(refused)?;
-            without_nulls(&mut value);
-            serde_json::from_value(value).map_err(|_| refused(first))
-        }
-        Err(e) => Err(refused(e)),
-    }
-}
-
-/// Fields of type `google.protobuf.Value` or `Struct` in request bodies:
-/// there `null` is a value (the JSON null), and what is inside is the
-/// caller's own data.
-const VALUE_FIELDS: [&str; 3] = ["payload", "result", "detail"];
-
-/// Drops the members whose value is `null`. proto3 JSON reads `null` as
-/// the field's default for every field type, but the generated decoders
-/// accept it only for message and `optional` fields, and refused a client
-/// that sends `null` for what it leaves unset (`"priority": null`). Not in
-/// [`VALUE_FIELDS`], whose null is data.
-fn without_nulls(value: &mut serde_json::Value) {
-    match value {
-        serde_json::Value::Object(members) => {
-            members.retain(|name, v| !v.is_null() || VALUE_FIELDS.contains(&name.as_str()));
-            for (name, v) in members.iter_mut() {
-                if !VALUE_FIELDS.contains(&name.as_str()) {
-                    without_nulls(v);
-                }
-            }
-        }
-        serde_json::Value::Array(items) => items.iter_mut().for_each(without_nulls),
-        _ => {}
-    }
+    })
 }
 
 /// Refuses a body whose top-level array `field` holds more than `max`

@@ -58,7 +58,6 @@ impl Ingress {
     }
 }
 
-/// A plain `{error}` answer: the sender is a provider, not an intray client.
 /// Whether reading a body failed on its size limit, rather than on a
 /// broken upload (a malformed chunk, a cut connection), which is not the
 /// provider's body being too large.
@@ -73,6 +72,7 @@ fn over_limit(err: &axum::Error) -> bool {
     false
 }
 
+/// A plain `{error}` answer: the sender is a provider, not an intray client.
 fn refuse(status: StatusCode, error: &str) -> Response {
     body::json(status, &json!({ "error": error }))
 }

@@ -1225,6 +1225,10 @@ const RESUBMITS: u32 = 3;
 /// replica's waiters. A change after a quiet spell goes out at once.
 const ANNOUNCE_GAP: Duration = Duration::from_millis(5);
 
+/// How long [`Store::close`] waits for the last notification (the chart's
+/// termination grace counts it).
+const CLOSE_WAIT: Duration = Duration::from_secs(2);
+
 /// Sends other replicas what committed transactions changed, after their
 /// commits: whatever committed while the previous NOTIFY was in flight, or
 /// within [`ANNOUNCE_GAP`] of it, goes into the next one. A notification is
@@ -1943,8 +1947,12 @@ impl PgStore {
             return;
         }
         changes.wake(&self.notifier, &self.caps);
-        // Only fails once the store is being dropped.
-        let _ = self.committed.send(changes);
+        // Fails once the store is closed: a commit after that (a call the
+        // shutdown grace cut loose, a give-back) reaches other replicas at
+        // their next poll.
+        if self.committed.send(changes).is_err() {
+            tracing::debug!("a commit after the store closed is not announced");
+        }
     }
 
     /// Runs `apply` on the locked job and saves what it decided, in one
@@ -2664,9 +2672,7 @@ impl Store for PgStore {
         self.listener_stop.cancel();
         let announcer = self.announcer.lock().ok().and_then(|mut a| a.take());
         if let Some(announcer) = announcer
-            && tokio::time::timeout(Duration::from_secs(2), announcer)
-                .await
-                .is_err()
+            && tokio::time::timeout(CLOSE_WAIT, announcer).await.is_err()
         {
             tracing::warn!("the last notification to other replicas did not go out in time");
         }
