@@ -104,6 +104,18 @@ impl Drop for Counting<'_> {
     }
 }
 
+/// The message `call` answers, or `DEADLINE_EXCEEDED` once `limit` (the
+/// call timeout) has passed.
+async fn within_limit<R>(
+    limit: Duration,
+    call: impl Future<Output = Result<Response<R>, Status>>,
+) -> Result<R, Status> {
+    match tokio::time::timeout(limit, call).await {
+        Ok(answer) => answer.map(Response::into_inner),
+        Err(_) => Err(ProtectError::Timeout { limit }.into()),
+    }
+}
+
 impl Gateway {
     /// A gateway into `jobs`, checking callers against `tokens` and
     /// `limits`, counting calls in `metrics`.
@@ -210,10 +222,7 @@ impl Gateway {
             let _slot = slots.acquire_owned().await.ok();
             call(jobs, request).await
         };
-        match tokio::time::timeout(limit, work).await {
-            Ok(answer) => answer.map(Response::into_inner),
-            Err(_) => Err(ProtectError::Timeout { limit }.into()),
-        }
+        within_limit(limit, work).await
     }
 
     /// A read the HTTP face makes on its own behalf while serving a route
@@ -234,11 +243,7 @@ impl Gateway {
         F: Future<Output = Result<Response<R>, Status>>,
     {
         let request = self.request(method, headers, message, false)?;
-        let limit = self.limits.timeout;
-        match tokio::time::timeout(limit, call(Arc::clone(&self.jobs), request)).await {
-            Ok(answer) => answer.map(Response::into_inner),
-            Err(_) => Err(ProtectError::Timeout { limit }.into()),
-        }
+        within_limit(self.limits.timeout, call(Arc::clone(&self.jobs), request)).await
     }
 
     /// Starts a `WatchJob` stream. Its setup runs under the call timeout;
