@@ -643,7 +643,7 @@ impl SqliteStore {
             .collect();
         // The same claim as PostgreSQL's (see there): tenants by a skip scan,
         // each queue's priority levels by another, the best candidates per
-        // level, fewest running first, running caps respected. The single
+        // queue, fewest running first, running caps respected. The single
         // writer makes it race-free.
         let rows = sqlx::query(
             "WITH RECURSIVE seen(tenant) AS (
@@ -685,6 +685,34 @@ impl SqliteStore {
                 SELECT tenant, queue, count(*) AS n FROM jobs
                 WHERE ?10 AND state = 'running' AND (?1 IS NULL OR tenant = ?1)
                 GROUP BY tenant, queue
+             ), due AS (
+                -- Per level a range scan that stops at the first job not
+                -- yet due; of those, the best ?4 per queue, as one scan in
+                -- claim order gave them (more would change the loads and
+                -- ranks below).
+                SELECT id, tenant, queue, priority, run_at, kind FROM (
+                    SELECT j.id, j.tenant, j.queue, j.priority, j.run_at, j.kind,
+                        row_number() OVER (PARTITION BY j.tenant, j.queue
+                                           ORDER BY j.priority DESC, j.run_at, j.id) AS pair_rank
+                    FROM levels p
+                    JOIN jobs j ON p.priority IS NOT NULL AND j.id IN (
+                        SELECT id FROM jobs
+                        WHERE tenant = p.tenant AND queue = p.queue AND state = 'queued'
+                          AND priority = p.priority AND run_at <= ?6
+                          AND (?3 = '[]' OR kind IN (SELECT value FROM json_each(?3)))
+                          AND (deadline IS NULL OR deadline > ?6)
+                          AND NOT EXISTS (
+                              SELECT 1 FROM breakers b
+                              WHERE b.tenant = p.tenant AND b.queue = p.queue AND b.kind = jobs.kind
+                                AND (b.open_until > ?6
+                                     OR EXISTS (SELECT 1 FROM jobs pr
+                                                WHERE pr.id = b.probe_job AND pr.state = 'running'))
+                          )
+                        ORDER BY run_at, id
+                        LIMIT ?4
+                    )
+                )
+                WHERE pair_rank <= ?4
              ), candidates AS (
                 SELECT j.id, j.priority, j.run_at, j.tenant, j.queue, j.kind,
                     EXISTS (SELECT 1 FROM breakers b
@@ -697,25 +725,7 @@ impl SqliteStore {
                       + row_number() OVER (PARTITION BY j.tenant, j.queue
                                            ORDER BY j.priority DESC, j.run_at, j.id) AS queue_load,
                     coalesce((SELECT c.value FROM json_each(?8) c WHERE c.key = j.queue), ?9) AS cap
-                FROM levels p
-                -- Per level a range scan that stops at the first job not
-                -- yet due.
-                JOIN jobs j ON p.priority IS NOT NULL AND j.id IN (
-                    SELECT id FROM jobs
-                    WHERE tenant = p.tenant AND queue = p.queue AND state = 'queued'
-                      AND priority = p.priority AND run_at <= ?6
-                      AND (?3 = '[]' OR kind IN (SELECT value FROM json_each(?3)))
-                      AND (deadline IS NULL OR deadline > ?6)
-                      AND NOT EXISTS (
-                          SELECT 1 FROM breakers b
-                          WHERE b.tenant = p.tenant AND b.queue = p.queue AND b.kind = jobs.kind
-                            AND (b.open_until > ?6
-                                 OR EXISTS (SELECT 1 FROM jobs pr
-                                            WHERE pr.id = b.probe_job AND pr.state = 'running'))
-                      )
-                    ORDER BY run_at, id
-                    LIMIT ?4
-                )
+                FROM due j
              ), picked AS (
                 SELECT id FROM (
                     SELECT *, row_number() OVER (PARTITION BY tenant, queue, kind
@@ -1793,6 +1803,44 @@ mod tests {
             "a hand-off took {hand_off_behind} steps behind 5,000 jobs scheduled for later, \
              {hand_off_alone} without them"
         );
+    }
+
+    /// A claim weighs the best of a queue's due jobs up to its batch, as
+    /// PostgreSQL's does, however many priority levels they span: of a
+    /// half-open kind's two jobs it takes the probe, and the job of another
+    /// kind one level down waits for the next claim, as on PostgreSQL (the
+    /// skip scan, weighing a batch per level, took it too).
+    #[tokio::test]
+    async fn a_claim_weighs_a_batch_per_queue_across_levels() {
+        let dir = tempfile::tempdir().expect("dir");
+        let (store, _) = scratch_store(&dir).await;
+        sqlx::query(
+            "INSERT INTO breakers (tenant, queue, kind, failures, max_retry_after_ms,
+                                   open_until, probe_job, updated_at)
+             VALUES ('default', 'q', 'x', 5, 0, 0, NULL, 0)",
+        )
+        .execute(&store.writer)
+        .await
+        .expect("a half-open breaker for kind x");
+        let job = |kind: &str, priority: i32| {
+            let mut job = new_job();
+            job.kind = kind.into();
+            job.priority = priority;
+            job
+        };
+        let ids: Vec<Uuid> = store
+            .submit("default", vec![job("x", 10), job("x", 10), job("y", 5)])
+            .await
+            .expect("submit")
+            .into_iter()
+            .map(|s| s.expect("stored").job.id)
+            .collect();
+        let leased = store
+            .lease("default", &[crate::domain::fixtures::lease_spec("w", 2)])
+            .await
+            .expect("lease");
+        let leased: Vec<Uuid> = leased.concat().iter().map(|j| j.id).collect();
+        assert_eq!(leased, [ids[0]], "the probe alone");
     }
 
     /// As on PostgreSQL (`a_mended_row_set_aside_by_the_reaper_is_let_back_in`):
