@@ -21,7 +21,7 @@ use crate::auth::layer::{authenticate, authorize};
 use crate::auth::role::METRICS_SCRAPE;
 use crate::pb::job_service_server::JobService;
 use crate::protect::{ProtectError, RateLimiter};
-use crate::telemetry::rpc::{CallTrace, code_name};
+use crate::telemetry::rpc::{CallRecord, CallTrace};
 use crate::telemetry::{Metrics, TraceParent};
 
 /// The `JobService` methods the HTTP face calls; each is authorized as its
@@ -75,33 +75,6 @@ pub struct Gateway {
     tokens: Arc<TokenSource>,
     limits: Limits,
     metrics: Arc<Metrics>,
-}
-
-/// Counts a call once: when it answers, or, when it is dropped unanswered
-/// (its client closed the connection, and the HTTP server dropped the
-/// request), as `CANCELLED`, as the gRPC port counts such calls (HTTP has
-/// no deadline header to tell `DEADLINE_EXCEEDED` by).
-struct Counting<'a> {
-    metrics: &'a Metrics,
-    method: Method,
-    started: Instant,
-    done: bool,
-}
-
-impl Counting<'_> {
-    fn finish(&mut self, code: Code) {
-        if std::mem::replace(&mut self.done, true) {
-            return;
-        }
-        self.metrics
-            .rpc(self.method.path(), &code_name(code), self.started.elapsed());
-    }
-}
-
-impl Drop for Counting<'_> {
-    fn drop(&mut self) {
-        self.finish(Code::Cancelled);
-    }
 }
 
 /// The message `call` answers, or `DEADLINE_EXCEEDED` once `limit` (the
@@ -191,14 +164,16 @@ impl Gateway {
     where
         F: Future<Output = Result<Response<R>, Status>>,
     {
-        let mut counting = Counting {
-            metrics: &self.metrics,
-            method,
-            started: Instant::now(),
-            done: false,
-        };
+        // HTTP has no deadline header to tell `DEADLINE_EXCEEDED` by: a
+        // call dropped unanswered counts as `CANCELLED`.
+        let mut record = CallRecord::start(
+            Arc::clone(&self.metrics),
+            method.path().to_owned(),
+            None,
+            None,
+        );
         let answer = self.bounded(method, headers, message, call).await;
-        counting.finish(answer.as_ref().map_or_else(Status::code, |_| Code::Ok));
+        record.finish(answer.as_ref().map_or_else(Status::code, |_| Code::Ok));
         answer
     }
 

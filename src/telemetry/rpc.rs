@@ -228,7 +228,7 @@ where
         };
         let cx = cx.unwrap_or_default();
         req.extensions_mut().insert(CallTrace(call_trace));
-        let mut record = Record {
+        let mut record = CallRecord {
             metrics: Arc::clone(&self.metrics),
             deadline: req.headers().get("grpc-timeout").and_then(grpc_timeout),
             path,
@@ -262,10 +262,11 @@ where
 
 /// Counts a call and ends its span, once: when it answers, or when it is
 /// dropped unanswered (tonic drops the call when the client's deadline
-/// passes or the client resets the stream), then as `DEADLINE_EXCEEDED`
-/// past the client's `grpc-timeout`, else `CANCELLED`. Without this, such
-/// calls were never counted and their spans ended with no status.
-struct Record {
+/// passes or the client resets the stream; the HTTP server drops it when
+/// its client closes the connection), then as `DEADLINE_EXCEEDED` past the
+/// client's timeout, else `CANCELLED`. Without this, such calls were never
+/// counted and their spans ended with no status.
+pub struct CallRecord {
     metrics: Arc<Metrics>,
     path: String,
     started: Instant,
@@ -276,8 +277,28 @@ struct Record {
     done: bool,
 }
 
-impl Record {
-    fn finish(&mut self, code: Code) {
+impl CallRecord {
+    /// A call to `path` started now, with the client's timeout if it sent
+    /// one, and the call's server span when tracing is on.
+    pub fn start(
+        metrics: Arc<Metrics>,
+        path: String,
+        deadline: Option<Duration>,
+        span: Option<Context>,
+    ) -> CallRecord {
+        CallRecord {
+            metrics,
+            path,
+            started: Instant::now(),
+            deadline,
+            span,
+            done: false,
+        }
+    }
+
+    /// Counts the call with its answer's `code`; only the first count
+    /// stands.
+    pub fn finish(&mut self, code: Code) {
         if std::mem::replace(&mut self.done, true) {
             return;
         }
@@ -294,7 +315,7 @@ impl Record {
     }
 }
 
-impl Drop for Record {
+impl Drop for CallRecord {
     fn drop(&mut self) {
         let past_deadline = self
             .deadline
