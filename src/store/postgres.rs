@@ -385,7 +385,7 @@ const SUBMIT_HANDING: &str = submit_statement!(
 /// queue the claim index gives the best candidates in order. A lease never
 /// outlives the deadline.
 macro_rules! claim_statement {
-    ($loads:literal, $picked:literal) => {
+    ($loads:literal, $picked:literal, $eligible:literal) => {
         concat!(
             "WITH RECURSIVE seen(tenant) AS (
                 SELECT (SELECT tenant FROM jobs WHERE state = 'queued' AND $1::text IS NULL
@@ -507,6 +507,20 @@ macro_rules! claim_statement {
                 RETURNING s.id
              ), slots AS (
                 SELECT jsonb_object_agg(id::text, slot) AS of FROM picked
+             ), passed AS (
+                -- The queues where a candidate that could have been taken
+                -- was locked and left (the batch was full): a claim beside
+                -- this one skipped it, and its caller may have parked. At
+                -- most 16 (a claim across many tenants could name
+                -- thousands); those past them wait for their next poll.
+                -- Only a claim over several queues or tenants can leave
+                -- one over (a queue's scan stops at the batch), so any
+                -- other skips this at once.
+                SELECT array_agg(tenant) AS tenants, array_agg(queue) AS queues
+                FROM (SELECT DISTINCT c.tenant, c.queue FROM candidates c
+                      WHERE (cardinality($2::text[]) > 1 OR $1::text IS NULL)
+                        AND ", $eligible, " AND c.id NOT IN (SELECT id FROM picked)
+                      ORDER BY c.tenant, c.queue LIMIT 16) left_over
              ), upd AS (
                 -- The picked rows are locked (FOR UPDATE above), so their
                 -- tuple ids hold until this update: it reads them by tuple
@@ -543,7 +557,14 @@ macro_rules! claim_statement {
                       WHERE id NOT IN (SELECT id FROM probes)))
                 RETURNING j.*, ((SELECT of FROM slots) ->> j.id::text)::int8 AS slot,
                     j.xmin::text AS row_version,
-                    pg_column_size(j.payload) AS payload_bytes
+                    pg_column_size(j.payload) AS payload_bytes,
+                    -- On the first slot's row only, not repeated on each.
+                    CASE WHEN (SELECT tenants FROM passed) IS NULL THEN NULL
+                         WHEN ((SELECT of FROM slots) ->> j.id::text)::int8 = 1
+                         THEN (SELECT tenants FROM passed) END AS passed_tenants,
+                    CASE WHEN (SELECT queues FROM passed) IS NULL THEN NULL
+                         WHEN ((SELECT of FROM slots) ->> j.id::text)::int8 = 1
+                         THEN (SELECT queues FROM passed) END AS passed_queues
              ), ev AS (
                 INSERT INTO job_events (job_id, sequence, type, state, attempt, worker_id, at)
                 SELECT id, event_seq, 'leased', 'running', attempt, lease_owner, updated_at FROM upd
@@ -580,7 +601,8 @@ const CLAIM: &str = claim_statement!(
                 ) ranked
                 WHERE queue_load <= cap AND (NOT half_open OR kind_rank = 1)
                 ORDER BY tenant_load, priority DESC, run_at, id
-                LIMIT $4"
+                LIMIT $4",
+    "NOT c.half_open AND c.queue_load <= c.cap"
 );
 
 /// [`claim_statement`] for one tenant's claim when no cap is set: what
@@ -601,7 +623,8 @@ const CLAIM_ONE_TENANT: &str = claim_statement!(
                      ORDER BY queue, kind, priority DESC, run_at, id)
                 ) eligible
                 ORDER BY priority DESC, run_at, id
-                LIMIT $4"
+                LIMIT $4",
+    "NOT c.half_open"
 );
 
 /// A claim's parameters: one slot per job asked for, in caller order. The
@@ -1928,6 +1951,25 @@ impl PgStore {
             self.keep_leased(row, &job);
             claimed[*caller].push(job);
         }
+        // Candidates are locked up to a full batch per queue (and tenant),
+        // and a claim beside this one skipped those left over; they are
+        // free once this one commits, so their queues' waiters look again.
+        // Left over means the batch was full: a claim that took less (held
+        // back by caps, say) wakes nobody, its own caller included. Only a
+        // hint, read after the commit: a row without it fails nothing.
+        let passed = |row: &PgRow, column: &str| {
+            row.try_get::<Option<Vec<String>>, _>(column).ok().flatten()
+        };
+        if let Some((tenants, queues)) = rows.iter().find_map(|row| {
+            Some((
+                passed(row, "passed_tenants")?,
+                passed(row, "passed_queues")?,
+            ))
+        }) {
+            for (tenant, queue) in tenants.iter().zip(&queues) {
+                changes.queue(tenant, queue);
+            }
+        }
         for jobs in &mut claimed {
             jobs.sort_by(|a, b| {
                 b.priority
@@ -2801,6 +2843,110 @@ mod tests {
         assert_eq!(second, [ids[1]], "the job the first claim did not take");
         open.rollback().await.expect("rollback");
         drop(store);
+    }
+
+    /// The queue keys `woken` has been told of, in order, without waiting.
+    fn woken_keys(woken: &mut tokio::sync::broadcast::Receiver<Arc<str>>) -> Vec<String> {
+        let mut keys = Vec::new();
+        while let Ok(key) = woken.try_recv() {
+            keys.push(key.to_string());
+        }
+        keys.sort();
+        keys
+    }
+
+    /// A claim over several queues locks up to a full batch in each and
+    /// takes the best across them; a claim beside it skips the rest, and
+    /// its caller may park while they are runnable. The queues where a
+    /// candidate was left over wake once the claim commits (nothing woke
+    /// them before, until the parked caller's next poll). A claim that took
+    /// less than a full batch left nothing over and wakes nobody: under a
+    /// running cap, not even its own caller (a wake-up tried earlier and
+    /// taken back woke it without end).
+    #[tokio::test]
+    async fn a_full_claim_wakes_the_queues_it_left_jobs_in() {
+        let scratch = Scratch::new("intray_claim_left_over").await;
+        let notifier = Arc::new(Notifier::new());
+        let mut settings = Settings::new(&scratch.url);
+        settings.queue_max_running_per_tenant.insert("c1".into(), 1);
+        settings.queue_max_running_per_tenant.insert("c2".into(), 1);
+        settings.queue_max_running_per_tenant.insert("d1".into(), 5);
+        settings.queue_max_running_per_tenant.insert("d2".into(), 5);
+        let store = PgStore::open(&settings, Arc::clone(&notifier))
+            .await
+            .expect("open the store");
+        let tenant = "default";
+        let in_queue = |queue: &str| {
+            let mut job = new_job();
+            job.queue = queue.into();
+            job
+        };
+        let mut woken = notifier.subscribe_queues();
+        for batch in [
+            vec![in_queue("q1"), in_queue("q2")],
+            vec![
+                in_queue("c1"),
+                in_queue("c1"),
+                in_queue("c2"),
+                in_queue("c2"),
+            ],
+        ] {
+            store
+                .submit(tenant, batch)
+                .await
+                .expect("submit")
+                .into_iter()
+                .for_each(|s| drop(s.expect("stored")));
+        }
+        woken_keys(&mut woken);
+        let lease = |queues: [&str; 2], max_jobs: u32| {
+            let mut spec = lease_spec("w", max_jobs);
+            spec.queues = queues.map(String::from).to_vec();
+            let store = &store;
+            async move { store.lease(tenant, &[spec]).await.expect("lease").concat() }
+        };
+
+        let first = lease(["q1", "q2"], 1).await;
+        assert_eq!(first.len(), 1);
+        let other = if first[0].queue == "q1" { "q2" } else { "q1" };
+        assert_eq!(
+            woken_keys(&mut woken),
+            [format!("default/{other}")],
+            "the queue whose job was left over"
+        );
+        assert_eq!(lease(["q1", "q2"], 5).await.len(), 1, "the job left over");
+        assert!(woken_keys(&mut woken).is_empty(), "nothing left over");
+
+        let capped = lease(["c1", "c2"], 5).await;
+        assert_eq!(capped.len(), 2, "one job per capped queue");
+        assert!(
+            woken_keys(&mut woken).is_empty(),
+            "the caps held the rest back"
+        );
+        assert!(lease(["c1", "c2"], 5).await.is_empty(), "the caps are full");
+        assert!(
+            woken_keys(&mut woken).is_empty(),
+            "a claim held back wakes nobody"
+        );
+
+        // The general claim (counting loads under caps) reports them too.
+        store
+            .submit(tenant, vec![in_queue("d1"), in_queue("d2")])
+            .await
+            .expect("submit")
+            .into_iter()
+            .for_each(|s| drop(s.expect("stored")));
+        woken_keys(&mut woken);
+        let first = lease(["d1", "d2"], 1).await;
+        assert_eq!(first.len(), 1);
+        let other = if first[0].queue == "d1" { "d2" } else { "d1" };
+        assert_eq!(
+            woken_keys(&mut woken),
+            [format!("default/{other}")],
+            "a capped claim's left over job"
+        );
+        drop(store);
+        scratch.drop().await;
     }
 
     /// A cap on one queue leaves the others alone: a claim from an uncapped
