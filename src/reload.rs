@@ -31,15 +31,34 @@ fn fingerprint(paths: &[PathBuf]) -> Fingerprint {
     )
 }
 
+/// How long a changed file must hold still before it is read: a file
+/// rewritten in place (`cp`, a shell redirect) changes more than once, and
+/// read between two of its writes it would put half a token file in force
+/// (ending the open calls of every token past the cut) until the next poll.
+const SETTLE: Duration = Duration::from_millis(250);
+
 /// Calls `on_change` whenever one of `paths` changes (checked every
-/// `interval`) or the process gets SIGHUP, until `stop` is cancelled; and
-/// once at the start, since the files were first read before the watch
-/// began (before the migrations, say), and a change in between (a token
-/// revoked during a rollout) would otherwise wait for the next one.
+/// `interval`, and read once it has held still for a moment) or the process
+/// gets SIGHUP, until `stop` is cancelled; and once at the start, since the
+/// files were first read before the watch began (before the migrations,
+/// say), and a change in between (a token revoked during a rollout) would
+/// otherwise wait for the next one.
 pub async fn watch(
     what: &'static str,
     paths: Vec<PathBuf>,
     interval: Duration,
+    stop: CancellationToken,
+    on_change: impl Fn() + Send,
+) {
+    watch_settled(what, paths, interval, SETTLE, stop, on_change).await;
+}
+
+/// [`watch`], a change read once it has held still for `settle`.
+async fn watch_settled(
+    what: &'static str,
+    paths: Vec<PathBuf>,
+    interval: Duration,
+    settle: Duration,
     stop: CancellationToken,
     on_change: impl Fn() + Send,
 ) {
@@ -74,11 +93,17 @@ pub async fn watch(
             }
             _ = ticker.tick() => {
                 let now = fingerprint(&paths);
-                if now != last {
-                    tracing::info!(what, "file changed: reloading");
-                    last = now;
-                    on_change();
+                if now == last {
+                    continue;
                 }
+                tokio::time::sleep(settle).await;
+                if fingerprint(&paths) != now {
+                    // Still being written: a later poll reads it whole.
+                    continue;
+                }
+                tracing::info!(what, "file changed: reloading");
+                last = now;
+                on_change();
             }
         }
     }
@@ -120,6 +145,60 @@ mod tests {
                 "the change was missed"
             );
             tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        stop.cancel();
+        watch.await.expect("the watch ends");
+    }
+
+    /// A file written bit by bit is read only once it holds still: every
+    /// read sees it whole, never the part written so far (it was read at
+    /// the first poll after the first write).
+    #[tokio::test]
+    async fn a_file_still_being_written_is_not_read() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("tokens");
+        std::fs::write(&path, "whole\n").expect("write");
+        let reads = Arc::new(Mutex::new(Vec::new()));
+        let stop = CancellationToken::new();
+        let watch = tokio::spawn(watch_settled(
+            "test",
+            vec![path.clone()],
+            Duration::from_millis(20),
+            Duration::from_secs(1),
+            stop.clone(),
+            {
+                let reads = Arc::clone(&reads);
+                let path = path.clone();
+                move || {
+                    let text = std::fs::read_to_string(&path).unwrap_or_default();
+                    reads
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .push(text);
+                }
+            },
+        ));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Written in place, a line every 10 ms, far less than the settle.
+        let mut file = std::fs::File::create(&path).expect("truncate");
+        for _ in 0..30 {
+            std::io::Write::write_all(&mut file, b"part\n").expect("write");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        std::io::Write::write_all(&mut file, b"whole\n").expect("write");
+        drop(file);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let reads = reads.lock().unwrap_or_else(PoisonError::into_inner).clone();
+            assert!(
+                reads.iter().all(|text| text.ends_with("whole\n")),
+                "a read of part of the file: {reads:?}"
+            );
+            if reads.len() >= 2 {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "never read again");
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
         stop.cancel();
         watch.await.expect("the watch ends");
