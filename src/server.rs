@@ -162,6 +162,7 @@ pub async fn run_with(
         notifier,
         Arc::clone(&observer),
         settings,
+        Arc::clone(&tokens),
         stop.clone(),
     )
     .map_err(|e| ServerError::Settings(e.to_string()))?;

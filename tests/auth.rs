@@ -27,6 +27,7 @@ backend_tests!(
     tenant_header_is_ignored_for_non_admins,
     admin_acts_for_any_tenant,
     tokens_rotate_by_rewriting_the_file,
+    a_revoked_token_ends_its_open_watch_and_long_poll,
     rate_limit_answers_resource_exhausted_with_retry_info,
     long_poll_outlives_the_call_timeout,
     oversized_request_is_refused_and_nothing_written,
@@ -414,6 +415,77 @@ async fn tokens_rotate_by_rewriting_the_file(backend: Backend) {
         res.is_ok(),
         "a bad reload keeps the previous tokens: {res:?}"
     );
+    server.stop().await;
+}
+
+/// A reload that takes a token away ends the calls it holds open: a
+/// `WatchJob` stream ends `UNAUTHENTICATED` (it went on until the job
+/// ended, however long), and so does a parked `Lease` (it waited out its
+/// `wait`, and a job handed to it then could only sit out its lease). A
+/// token the reload keeps goes on waiting.
+async fn a_revoked_token_ends_its_open_watch_and_long_poll(backend: Backend) {
+    let (server, _dir, path) = start(backend, |s| {
+        s.reload_interval = Duration::from_millis(100);
+    })
+    .await;
+    let mut producer = jobs(&server, Some(ACME_PRODUCER), None);
+    let job = submit_as(&mut producer, "q").await;
+    let mut stream = producer
+        .watch_job(pb::WatchJobRequest {
+            id: job.id.clone(),
+            after_sequence: 0,
+        })
+        .await
+        .expect("watch")
+        .into_inner();
+    let first = stream.message().await.expect("the first event");
+    assert!(first.is_some(), "the job's submitted event");
+
+    let park = |token: &'static str| {
+        let mut worker = workers(&server, Some(token), None);
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let answer = worker
+                .lease(lease_req("w", "empty", 1, Duration::from_secs(20)))
+                .await;
+            (answer.map(|r| r.into_inner().jobs.len()), started.elapsed())
+        })
+    };
+    let revoked_worker = park(ACME_WORKER);
+    let kept_worker = park(GLOBEX_WORKER);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // Written beside and renamed into place, as a Secret volume does.
+    let kept: String = token_file_text()
+        .lines()
+        .filter(|line| !line.starts_with(ACME_PRODUCER) && !line.starts_with(ACME_WORKER))
+        .map(|line| format!("{line}\n"))
+        .collect();
+    let tmp = path.with_extension("new");
+    std::fs::write(&tmp, kept).expect("write");
+    std::fs::rename(&tmp, &path).expect("rename");
+
+    let ended = tokio::time::timeout(Duration::from_secs(10), stream.message())
+        .await
+        .expect("the watch ends once the token is gone");
+    assert!(
+        matches!(&ended, Err(s) if s.code() == Code::Unauthenticated),
+        "{ended:?}"
+    );
+    let (answer, waited) = tokio::time::timeout(Duration::from_secs(10), revoked_worker)
+        .await
+        .expect("the long-poll ends once the token is gone")
+        .expect("the task");
+    assert!(
+        matches!(&answer, Err(s) if s.code() == Code::Unauthenticated),
+        "{answer:?}"
+    );
+    assert!(
+        waited < Duration::from_secs(15),
+        "not its whole wait: {waited:?}"
+    );
+    assert!(!kept_worker.is_finished(), "a kept token goes on waiting");
+    kept_worker.abort();
     server.stop().await;
 }
 

@@ -12,6 +12,7 @@ use super::backpressure::QueueDepths;
 use super::convert;
 use super::status::{ApiError, item_error};
 use super::tenant::tenant_of;
+use crate::auth::{AuthError, Grant, Identity};
 use crate::domain::validate::{self, MAX_BATCH, ValidationError};
 use crate::domain::{Job, JobEvent, NewJob};
 use crate::engine::notifier::JobWatch;
@@ -322,6 +323,10 @@ impl JobService for JobsApi {
         request: Request<pb::WatchJobRequest>,
     ) -> Result<Response<WatchStream>, Status> {
         let tenant = tenant_of(&request)?;
+        let grant = self
+            .ctx
+            .tokens
+            .grant(request.extensions().get::<Identity>());
         let request = request.into_inner();
         let id = job_id(&request.id)?;
         // Unknown or foreign ids fail the call itself, not the stream later.
@@ -329,6 +334,7 @@ impl JobService for JobsApi {
         Ok(Response::new(watch_events(
             self.ctx.clone(),
             tenant,
+            grant,
             id,
             request.after_sequence,
         )))
@@ -461,6 +467,8 @@ impl JobService for JobsApi {
 struct Watching {
     ctx: Context,
     tenant: String,
+    /// Ends the stream when a reload takes the caller's token away.
+    grant: Grant,
     id: Uuid,
     watch: JobWatch,
     after: u64,
@@ -493,7 +501,8 @@ pub fn is_watch_interrupted(status: &Status) -> bool {
 
 /// The events of a `WatchJob` stream: the stored events after `after`, then
 /// new ones as they are committed, until the job's terminal event has been
-/// sent; on shutdown before that, it ends with [`watch_interrupted`]. A
+/// sent; on shutdown before that, it ends with [`watch_interrupted`], and
+/// when a reload takes the caller's token away, `UNAUTHENTICATED`. A
 /// stream, not a task feeding a channel: an open watch costs only its
 /// state, and a client that goes away drops it.
 ///
@@ -502,11 +511,12 @@ pub fn is_watch_interrupted(status: &Status) -> bool {
 /// and never an event. Events this replica has just committed come from
 /// memory when they follow the last one sent. Sequences are gap-free, so
 /// resuming from the last one seen neither skips nor repeats.
-fn watch_events(ctx: Context, tenant: String, id: Uuid, after: u64) -> WatchStream {
+fn watch_events(ctx: Context, tenant: String, grant: Grant, id: Uuid, after: u64) -> WatchStream {
     let watch = ctx.notifier.watch_job(id);
     let start = Watching {
         ctx,
         tenant,
+        grant,
         id,
         watch,
         after,
@@ -582,6 +592,7 @@ impl Watching {
                     self.read_at = None;
                 }
                 () = self.ctx.shutdown.cancelled() => return Err(watch_interrupted()),
+                () = self.grant.revoked() => return Err(AuthError::Revoked.into()),
             }
         }
     }

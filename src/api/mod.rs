@@ -22,6 +22,7 @@ use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
 
+use crate::auth::TokenSource;
 use crate::config::Settings;
 use crate::config::webhook_source::WebhookKeysSource;
 use crate::domain::Backoff;
@@ -32,8 +33,8 @@ use crate::engine::observer::Observer;
 use crate::store::Store;
 
 /// What every service needs: the store and its coalescers, the notifier, the observer
-/// (logs, spans, metrics), the settings, the webhook keys in force, and a
-/// token that ends long-polls and streams at shutdown.
+/// (logs, spans, metrics), the settings, the webhook keys and bearer tokens
+/// in force, and a token that ends long-polls and streams at shutdown.
 #[derive(Clone)]
 pub struct Context {
     pub store: Arc<dyn Store>,
@@ -46,6 +47,9 @@ pub struct Context {
     /// Secrets, callback allow-list and ingress sources; reloaded from the
     /// webhooks file while the server runs.
     pub webhook_keys: Arc<WebhookKeysSource>,
+    /// The bearer tokens in force: a watch or long-poll ends when a reload
+    /// takes its caller's away.
+    pub tokens: Arc<TokenSource>,
     pub shutdown: CancellationToken,
 }
 
@@ -56,6 +60,7 @@ impl Context {
         notifier: Arc<Notifier>,
         observer: Arc<Observer>,
         settings: Settings,
+        tokens: Arc<TokenSource>,
         shutdown: CancellationToken,
     ) -> Result<Context, crate::domain::backoff::BackoffError> {
         let limits = Limits {
@@ -82,6 +87,7 @@ impl Context {
             settings: Arc::new(settings),
             limits,
             webhook_keys,
+            tokens,
             shutdown,
         })
     }

@@ -87,7 +87,7 @@ impl From<StoreError> for Status {
 impl From<AuthError> for Status {
     fn from(err: AuthError) -> Status {
         match err {
-            AuthError::MissingToken | AuthError::UnknownToken => {
+            AuthError::MissingToken | AuthError::UnknownToken | AuthError::Revoked => {
                 Status::unauthenticated(err.to_string())
             }
             AuthError::Forbidden { .. } => Status::permission_denied(err.to_string()),

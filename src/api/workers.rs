@@ -12,6 +12,7 @@ use super::Context;
 use super::convert;
 use super::status::item_error;
 use super::tenant::{require_admin, tenant_of};
+use crate::auth::{AuthError, Grant, Identity};
 use crate::domain::validate::{self, MAX_BATCH, ValidationError};
 use crate::domain::{CompleteSpec, Job, LeaseSpec};
 use crate::engine::notifier::{ANY_QUEUE, queue_key};
@@ -74,8 +75,15 @@ impl WorkersApi {
 
     /// Claims, and while nothing is runnable waits until `spec.wait` ends
     /// for a job handed to it by a submit, or for a wake-up on one of the
-    /// requested queues (or the fallback timer) to claim again.
-    async fn lease_or_wait(&self, tenant: &str, spec: &LeaseSpec) -> Result<Vec<Job>, StoreError> {
+    /// requested queues (or the fallback timer) to claim again. A reload
+    /// that takes the caller's token away (`grant`) ends the wait
+    /// `UNAUTHENTICATED`; a job handed to it meanwhile is given back.
+    async fn lease_or_wait(
+        &self,
+        tenant: &str,
+        spec: &LeaseSpec,
+        grant: &mut Grant,
+    ) -> Result<Vec<Job>, Status> {
         let give_up = Instant::now() + spec.wait;
         let keys: HashSet<String> = spec.queues.iter().map(|q| queue_key(tenant, q)).collect();
         // A worker of every tenant wakes for its queue names in any tenant.
@@ -124,6 +132,8 @@ impl WorkersApi {
                     },
                     () = tokio::time::sleep_until(retry_at) => break,
                     () = self.ctx.shutdown.cancelled() => break,
+                    // Dropping `parked` gives back what a submit handed it.
+                    () = grant.revoked() => return Err(AuthError::Revoked.into()),
                 }
             }
             if let Some(parked) = parked
@@ -138,12 +148,17 @@ impl WorkersApi {
     }
 
     /// [`Self::lease_or_wait`], counted as a long-poll while it may wait.
-    async fn claim_or_wait(&self, tenant: &str, spec: &LeaseSpec) -> Result<Vec<Job>, StoreError> {
+    async fn claim_or_wait(
+        &self,
+        tenant: &str,
+        spec: &LeaseSpec,
+        grant: &mut Grant,
+    ) -> Result<Vec<Job>, Status> {
         if spec.wait.is_zero() {
-            return self.lease_or_wait(tenant, spec).await;
+            return self.lease_or_wait(tenant, spec, grant).await;
         }
         let _waiting = self.ctx.observer.metrics().long_poll();
-        self.lease_or_wait(tenant, spec).await
+        self.lease_or_wait(tenant, spec, grant).await
     }
 
     /// Validates the items of `CompleteBatch` or `CompleteAndLease`: the
@@ -225,12 +240,16 @@ impl WorkerService for WorkersApi {
         if request.get_ref().all_tenants {
             require_admin(&request, "/intray.v1.WorkerService/Lease with all_tenants")?;
         }
+        let mut grant = self
+            .ctx
+            .tokens
+            .grant(request.extensions().get::<Identity>());
         let spec = validate::lease(
             convert::lease_input(request.into_inner())?,
             &self.ctx.limits,
         )?;
         self.touch_worker(&tenant, &spec).await;
-        let jobs = self.claim_or_wait(&tenant, &spec).await?;
+        let jobs = self.claim_or_wait(&tenant, &spec, &mut grant).await?;
         self.ctx.observer.leased(&jobs);
         Ok(Response::new(pb::LeaseResponse {
             jobs: jobs.iter().map(convert::leased_job).collect(),
@@ -294,6 +313,10 @@ impl WorkerService for WorkersApi {
                 "/intray.v1.WorkerService/CompleteAndLease with all_tenants",
             )?;
         }
+        let mut grant = self
+            .ctx
+            .tokens
+            .grant(request.extensions().get::<Identity>());
         let pb::CompleteAndLeaseRequest { items, lease } = request.into_inner();
         let lease = lease.ok_or_else(|| ValidationError::new("lease", "required"))?;
         // The claim is checked before anything is written: a bad one
@@ -317,9 +340,9 @@ impl WorkerService for WorkersApi {
         // claim meets the error itself.
         let claimed = match leased {
             Ok(jobs) if jobs.is_empty() && !spec.wait.is_zero() => {
-                self.claim_or_wait(&tenant, &spec).await
+                self.claim_or_wait(&tenant, &spec, &mut grant).await
             }
-            claimed => claimed,
+            claimed => claimed.map_err(Status::from),
         };
         let jobs = claimed.unwrap_or_else(|err| {
             tracing::warn!(error = %err, worker_id = %spec.worker_id, "the claim of a CompleteAndLease failed after its outcomes committed");

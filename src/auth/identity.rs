@@ -3,6 +3,7 @@
 use tonic::codegen::http::HeaderMap;
 
 use super::role::Roles;
+use super::tokens::TokenDigest;
 use crate::domain::validate::{self, ValidationError};
 
 /// The metadata key naming the tenant: honoured in open mode and for
@@ -21,6 +22,9 @@ pub struct Identity {
     /// `token:<first 8 bytes of the digest>`, or `open:<tenant>` without
     /// authentication.
     pub principal: String,
+    /// The digest of the caller's token; none in open mode and for callers
+    /// the server vouches for itself (the webhook ingress).
+    pub token: Option<TokenDigest>,
 }
 
 /// The tenant named by `x-intray-tenant`, if any, validated like a queue name.

@@ -94,6 +94,7 @@ pub fn authorize(
             principal: format!("open:{tenant}"),
             tenant,
             roles: Roles::all(),
+            token: None,
         }));
     }
     let token = bearer(headers)?;
@@ -116,6 +117,7 @@ pub fn authorize(
         tenant,
         roles: entry.roles,
         principal: format!("token:{}", entry.digest.short()),
+        token: Some(entry.digest),
     }))
 }
 

@@ -7,18 +7,22 @@
 //! ([`role::access_for`]). The tower layer in [`layer`] authenticates every
 //! call, checks the table, and puts an [`Identity`] into the request
 //! extensions, where the services read the tenant from. [`source`] holds the
-//! current tokens and reloads them on SIGHUP or when the file changes.
+//! current tokens and reloads them on SIGHUP or when the file changes; a
+//! call that stays open (a watch, a long-poll) holds a [`Grant`], which ends
+//! it when a reload takes its token away.
 //!
 //! Without a token file the server is in open development mode: every call
 //! may do everything, for the tenant named by `x-intray-tenant`.
 
 pub mod file;
+pub mod grant;
 pub mod identity;
 pub mod layer;
 pub mod role;
 pub mod source;
 pub mod tokens;
 
+pub use grant::Grant;
 pub use identity::{Identity, TENANT_HEADER};
 pub use layer::AuthLayer;
 pub use role::{Access, Role, Roles};
@@ -44,4 +48,10 @@ pub enum AuthError {
     /// The `x-intray-tenant` metadata is not a valid tenant name.
     #[error(transparent)]
     BadTenant(#[from] crate::domain::validate::ValidationError),
+    /// A reload took away what an open call's token was granted (the token,
+    /// its tenant or one of its roles) while the call was waiting.
+    #[error(
+        "the token was revoked or changed while the call was open; call again with a valid token"
+    )]
+    Revoked,
 }

@@ -3,7 +3,11 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 
+use tokio::sync::watch;
+
 use super::file::{self, TokenFileError};
+use super::grant::Grant;
+use super::identity::Identity;
 use super::tokens::TokenTable;
 
 /// Where tokens come from and which ones are in force now.
@@ -15,6 +19,8 @@ use super::tokens::TokenTable;
 pub struct TokenSource {
     path: Option<PathBuf>,
     table: RwLock<Arc<TokenTable>>,
+    /// Told of every reload that took, for the calls holding a [`Grant`].
+    reloaded: watch::Sender<()>,
 }
 
 impl TokenSource {
@@ -23,6 +29,7 @@ impl TokenSource {
         TokenSource {
             path: None,
             table: RwLock::new(Arc::new(TokenTable::default())),
+            reloaded: watch::Sender::new(()),
         }
     }
 
@@ -35,6 +42,7 @@ impl TokenSource {
         Ok(TokenSource {
             path: Some(path),
             table: RwLock::new(Arc::new(table)),
+            reloaded: watch::Sender::new(()),
         })
     }
 
@@ -65,9 +73,18 @@ impl TokenSource {
         };
         let table = Arc::new(file::load(path)?);
         let count = table.len();
-        let mut guard = self.table.write().unwrap_or_else(|e| e.into_inner());
-        *guard = table;
+        {
+            let mut guard = self.table.write().unwrap_or_else(|e| e.into_inner());
+            *guard = table;
+        }
+        self.reloaded.send_replace(());
         Ok(count)
+    }
+
+    /// What a call that stays open holds of its caller's `identity`: ended
+    /// by [`Grant::revoked`] once a reload takes the token away.
+    pub fn grant(self: &Arc<Self>, identity: Option<&Identity>) -> Grant {
+        Grant::new(Arc::clone(self), identity, self.reloaded.subscribe())
     }
 
     /// [`reload`](Self::reload), logging the outcome; what the file watch

@@ -80,7 +80,11 @@ impl TokenTable {
     /// bytes agreed. Hashing first makes every comparison 32 bytes long
     /// whatever the token's length.
     pub fn find(&self, presented: &str) -> Option<&TokenEntry> {
-        let digest = TokenDigest::of(presented);
+        self.by_digest(&TokenDigest::of(presented))
+    }
+
+    /// The entry of a token's digest, compared as [`find`](Self::find) does.
+    pub fn by_digest(&self, digest: &TokenDigest) -> Option<&TokenEntry> {
         let mut found = subtle::Choice::from(0);
         let mut index = 0u64;
         for (i, entry) in self.entries.iter().enumerate() {

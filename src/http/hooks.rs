@@ -174,6 +174,7 @@ async fn handle(
         tenant: source.tenant.clone(),
         roles: [Role::Producer].into_iter().collect(),
         principal: format!("hook:{name}"),
+        token: None,
     });
     match ingress.jobs.submit(request).await {
         Ok(answer) => {
