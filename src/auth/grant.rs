@@ -32,19 +32,22 @@ impl Grant {
     /// The grant of `identity`'s token, told of reloads by `reloaded`.
     pub(super) fn new(
         source: Arc<TokenSource>,
-        identity: Option<&Identity>,
+        identity: &Identity,
         reloaded: watch::Receiver<()>,
     ) -> Grant {
-        let held = identity.and_then(|identity| {
-            Some(Held {
-                source,
-                token: identity.token?,
-                tenant: identity.tenant.clone(),
-                roles: identity.roles,
-                reloaded,
-            })
+        let held = identity.token.map(|token| Held {
+            source,
+            token,
+            tenant: identity.tenant.clone(),
+            roles: identity.roles,
+            reloaded,
         });
         Grant { held }
+    }
+
+    /// The grant of a caller without a token: never revoked.
+    pub(super) fn none() -> Grant {
+        Grant { held: None }
     }
 
     /// Resolves once a reload no longer grants what the call began with:

@@ -84,7 +84,13 @@ impl TokenSource {
     /// What a call that stays open holds of its caller's `identity`: ended
     /// by [`Grant::revoked`] once a reload takes the token away.
     pub fn grant(self: &Arc<Self>, identity: Option<&Identity>) -> Grant {
-        Grant::new(Arc::clone(self), identity, self.reloaded.subscribe())
+        match identity {
+            Some(identity) if identity.token.is_some() => {
+                Grant::new(Arc::clone(self), identity, self.reloaded.subscribe())
+            }
+            // Nothing a reload could take: no receiver to keep per call.
+            _ => Grant::none(),
+        }
     }
 
     /// [`reload`](Self::reload), logging the outcome; what the file watch
