@@ -63,6 +63,7 @@ common::backend_tests!(
     the_webhooks_file_is_reloaded_while_serving,
     a_lapsed_claims_record_leaves_the_later_claims,
     a_receiver_that_never_answers_holds_up_only_its_own_callbacks,
+    a_fast_receiver_is_held_to_its_limit_at_a_time_not_per_poll,
     a_claim_takes_no_more_per_receiver_than_it_has_room_for,
     retention_keeps_a_job_until_its_callback_is_delivered,
 );
@@ -1226,6 +1227,74 @@ async fn a_receiver_that_never_answers_holds_up_only_its_own_callbacks(backend: 
     assert!(
         took < Duration::from_secs(1),
         "the callback waited {took:?}, behind the silent receiver's 3 s timeout"
+    );
+    server.stop().await;
+}
+
+/// A receiver that answers (50 ms each) gets its callbacks `per_receiver`
+/// at a time, one after another, not `per_receiver` per `poll` (1 s, the
+/// default): 150 arrive within a few seconds (they took 19 polls). And its
+/// backlog does not hide another receiver's callback due behind it.
+async fn a_fast_receiver_is_held_to_its_limit_at_a_time_not_per_poll(backend: Backend) {
+    let server = TestServer::start_with(backend, |s| {
+        webhook_settings(s);
+        s.webhooks.poll = Duration::from_secs(1);
+        s.webhooks.per_receiver = 8;
+    })
+    .await;
+    let answering = |delay: Duration| async move {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind a receiver");
+        let url = format!("http://{}/", listener.local_addr().expect("its address"));
+        let (arrived_tx, arrived) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Ok((conn, _)) = listener.accept().await {
+                let arrived_tx = arrived_tx.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(delay).await;
+                    answer_one_request(conn).await;
+                    let _ = arrived_tx.send(Instant::now());
+                });
+            }
+        });
+        (url, arrived)
+    };
+    let (busy_url, mut busy) = answering(Duration::from_millis(50)).await;
+    let (other_url, mut other) = answering(Duration::ZERO).await;
+    let mut jobs = server.jobs_client(TENANT);
+    const CALLBACKS: usize = 150;
+    for i in 0..CALLBACKS {
+        let mut r = submit_req("busy", "k", json!({}));
+        r.callback_url = format!("{busy_url}hook?job={i}");
+        let job = submit_with(&mut jobs, r).await;
+        jobs.cancel(pb::CancelJobRequest {
+            id: job.id,
+            reason: String::new(),
+        })
+        .await
+        .expect("Cancel");
+    }
+    let queued = Instant::now();
+    finish_with_callback(&server, other_url).await;
+    let finished = Instant::now();
+    let at = within(LONG, "the other receiver's callback", other.recv())
+        .await
+        .expect("the callback arrived");
+    let waited = at.duration_since(finished);
+    assert!(
+        waited < Duration::from_secs(3),
+        "the other receiver's callback waited {waited:?} behind the busy one's backlog"
+    );
+    for n in 0..CALLBACKS {
+        within(LONG, "the busy receiver's callbacks", busy.recv())
+            .await
+            .unwrap_or_else(|| panic!("callback {n} arrived"));
+    }
+    let took = queued.elapsed();
+    assert!(
+        took < Duration::from_secs(8),
+        "{CALLBACKS} callbacks at 8 at a time and 50 ms each took {took:?}"
     );
     server.stop().await;
 }

@@ -141,6 +141,11 @@ impl Dispatcher {
     /// once half of them are free (one claim per few deliveries, not one
     /// each), and at every `poll`. So receivers that never answer hold
     /// only their own slots for their timeout, never everyone's callbacks.
+    /// A claim cut short by a receiver's limit is followed by another at
+    /// once (which skips the receivers now full), and one that found only
+    /// full receivers' rows claims again when one of them frees a slot:
+    /// a receiver that answers fast is held to `per_receiver` at a time,
+    /// not per `poll`, and its backlog does not hide the others' rows.
     /// A reconciliation sweep runs every minute.
     pub async fn run(self: Arc<Self>, stop: CancellationToken) {
         let mut ticker = tokio::time::interval(self.timings.poll);
@@ -153,7 +158,8 @@ impl Dispatcher {
         // even by an attempt that panicked.
         let mut receiver_of: HashMap<tokio::task::Id, String> = HashMap::new();
         let mut at_receiver: HashMap<String, u32> = HashMap::new();
-        // Whether the last claim filled the free slots: more may be due.
+        // Whether more rows may be due: the last claim took some, or left
+        // rows of receivers at their limit.
         let mut more_due = false;
         loop {
             let ticked = tokio::select! {
@@ -185,25 +191,44 @@ impl Dispatcher {
             if !more_due || free == 0 || (!ticked && free < IN_FLIGHT / 2) {
                 continue;
             }
-            let claimed = u32::try_from(free).unwrap_or(u32::MAX);
-            let load = ReceiverLoad {
-                per_receiver: self.timings.per_receiver,
-                in_flight: &at_receiver,
-            };
-            match self.outbox.claim_due(claimed, hold, load).await {
-                Ok(due) => {
-                    more_due = due.len() == free;
-                    for delivery in due {
-                        *at_receiver.entry(delivery.receiver.clone()).or_default() += 1;
-                        let receiver = delivery.receiver.clone();
-                        let this = Arc::clone(&self);
-                        let task = in_flight.spawn(async move { this.deliver(delivery).await });
-                        receiver_of.insert(task.id(), receiver);
-                    }
+            more_due = false;
+            loop {
+                let free = IN_FLIGHT.saturating_sub(in_flight.len());
+                if free == 0 {
+                    more_due = true;
+                    break;
                 }
-                Err(err) => {
-                    more_due = false;
-                    tracing::warn!(error = %err, "claiming webhook deliveries failed; retrying next interval");
+                let claimed = u32::try_from(free).unwrap_or(u32::MAX);
+                let load = ReceiverLoad {
+                    per_receiver: self.timings.per_receiver,
+                    in_flight: &at_receiver,
+                };
+                let due = match self.outbox.claim_due(claimed, hold, load).await {
+                    Ok(due) => due,
+                    Err(err) => {
+                        tracing::warn!(error = %err, "claiming webhook deliveries failed; retrying next interval");
+                        break;
+                    }
+                };
+                if due.is_empty() {
+                    // Rows of receivers at their limit may be due: a slot
+                    // they free is worth a claim.
+                    more_due |= at_receiver
+                        .values()
+                        .any(|n| *n >= self.timings.per_receiver);
+                    break;
+                }
+                more_due = true;
+                let cut_short = due.len() < free;
+                for delivery in due {
+                    *at_receiver.entry(delivery.receiver.clone()).or_default() += 1;
+                    let receiver = delivery.receiver.clone();
+                    let this = Arc::clone(&self);
+                    let task = in_flight.spawn(async move { this.deliver(delivery).await });
+                    receiver_of.insert(task.id(), receiver);
+                }
+                if !cut_short {
+                    break;
                 }
             }
         }
