@@ -526,6 +526,13 @@ fn watch_events(ctx: Context, tenant: String, grant: Grant, id: Uuid, after: u64
         read_at: None,
     };
     Box::pin(futures::stream::unfold(start, |mut w| async move {
+        // Also between events: a stream with events to send never waits
+        // where `refill` looks for a revocation.
+        if !w.done && w.grant.revoked_now() {
+            w.done = true;
+            w.ready.clear();
+            return Some((Err(AuthError::Revoked.into()), w));
+        }
         if w.ready.is_empty()
             && !w.done
             && let Err(err) = w.refill().await

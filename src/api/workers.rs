@@ -345,7 +345,13 @@ impl WorkerService for WorkersApi {
             claimed => claimed.map_err(Status::from),
         };
         let jobs = claimed.unwrap_or_else(|err| {
-            tracing::warn!(error = %err, worker_id = %spec.worker_id, "the claim of a CompleteAndLease failed after its outcomes committed");
+            if err.code() == tonic::Code::Unauthenticated {
+                // Its token was revoked while it waited: the outcomes
+                // stand, and the worker's next call meets the refusal.
+                tracing::info!(worker_id = %spec.worker_id, "a CompleteAndLease stopped waiting: its token was revoked");
+            } else {
+                tracing::warn!(error = %err, worker_id = %spec.worker_id, "the claim of a CompleteAndLease failed after its outcomes committed");
+            }
             Vec::new()
         });
         self.ctx.observer.leased(&jobs);

@@ -61,13 +61,28 @@ impl Grant {
         };
         loop {
             if held.reloaded.changed().await.is_err() {
-                // The source is gone: the server is stopping.
+                // Cannot happen while this grant holds the source (which
+                // holds the sender); never resolve rather than spin.
                 return std::future::pending().await;
             }
             if !held.still_granted() {
                 return;
             }
         }
+    }
+
+    /// Whether a reload not yet looked at took the grant away: a check
+    /// without waiting, for a call that is busy sending (a watch replaying
+    /// a long history) and so not waiting in [`revoked`](Self::revoked).
+    pub fn revoked_now(&mut self) -> bool {
+        let Some(held) = &mut self.held else {
+            return false;
+        };
+        if !held.reloaded.has_changed().unwrap_or(false) {
+            return false;
+        }
+        held.reloaded.mark_unchanged();
+        !held.still_granted()
     }
 }
 
@@ -143,6 +158,31 @@ mod tests {
         assert!(
             !ends_within(&mut open, short).await,
             "no token, nothing to take"
+        );
+    }
+
+    /// A reload between the token's check and the grant (a call waiting
+    /// for a concurrency slot) is not missed, and a call busy sending sees
+    /// a reload without waiting for one.
+    #[tokio::test]
+    async fn a_reload_before_the_grant_or_while_busy_is_seen() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("tokens");
+        let write = |text: &str| std::fs::write(&path, text).expect("write");
+        write("worker-token-0123456789 acme worker\n");
+        let source = Arc::new(TokenSource::from_file(&path).expect("valid file"));
+        let identity = identity_of(&source, "worker-token-0123456789");
+
+        let mut kept = source.grant(Some(&identity));
+        assert!(!kept.revoked_now(), "nothing taken yet");
+        write("other-token-0123456789 acme worker\n");
+        source.reload().expect("reload");
+        assert!(kept.revoked_now(), "seen without waiting");
+
+        let mut late = source.grant(Some(&identity));
+        assert!(
+            ends_within(&mut late, Duration::from_millis(50)).await,
+            "a reload before the grant"
         );
     }
 }

@@ -86,7 +86,13 @@ impl TokenSource {
     pub fn grant(self: &Arc<Self>, identity: Option<&Identity>) -> Grant {
         match identity {
             Some(identity) if identity.token.is_some() => {
-                Grant::new(Arc::clone(self), identity, self.reloaded.subscribe())
+                // The token was checked when the call arrived, and a reload
+                // since (while the call waited for a slot, say) would count
+                // as seen by a new receiver: the grant's first look is at
+                // the table in force now.
+                let mut reloaded = self.reloaded.subscribe();
+                reloaded.mark_changed();
+                Grant::new(Arc::clone(self), identity, reloaded)
             }
             // Nothing a reload could take: no receiver to keep per call.
             _ => Grant::none(),

@@ -5,9 +5,11 @@
 //! sends when it reconnects is exactly `WatchJob`'s `after_sequence`: the
 //! stream resumes with no gap and no duplicate. The stream ends after the
 //! terminal event, or earlier when the server shuts down (with no error
-//! event: the client reconnects as after a lost connection). A reconnect
-//! after the terminal event gets `204 No Content`, which tells an
-//! `EventSource` to stop reconnecting.
+//! event: the client reconnects as after a lost connection), or with a
+//! `stream-error` event when a reload revokes the caller's token (its
+//! reconnect is then refused `401`). A reconnect after the terminal event
+//! gets `204 No Content`, which tells an `EventSource` to stop
+//! reconnecting.
 
 use std::convert::Infallible;
 use std::sync::Arc;

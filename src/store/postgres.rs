@@ -558,7 +558,10 @@ macro_rules! claim_statement {
                 RETURNING j.*, ((SELECT of FROM slots) ->> j.id::text)::int8 AS slot,
                     j.xmin::text AS row_version,
                     pg_column_size(j.payload) AS payload_bytes,
-                    -- On the first slot's row only, not repeated on each.
+                    -- On the first slot's row only, not repeated on each (a
+                    -- first pick left out as a probe that lost its breaker
+                    -- takes the hint with it: the queues wait for their
+                    -- next poll, as before).
                     CASE WHEN (SELECT tenants FROM passed) IS NULL THEN NULL
                          WHEN ((SELECT of FROM slots) ->> j.id::text)::int8 = 1
                          THEN (SELECT tenants FROM passed) END AS passed_tenants,

@@ -689,7 +689,10 @@ impl SqliteStore {
                 -- Per level a range scan that stops at the first job not
                 -- yet due; of those, the best ?4 per queue, as one scan in
                 -- claim order gave them (more would change the loads and
-                -- ranks below).
+                -- ranks below). Every due level reads up to ?4, where
+                -- PostgreSQL's lateral limit stops at the level that fills
+                -- the batch: the work is levels times batch, and levels
+                -- are few.
                 SELECT id, tenant, queue, priority, run_at, kind FROM (
                     SELECT j.id, j.tenant, j.queue, j.priority, j.run_at, j.kind,
                         row_number() OVER (PARTITION BY j.tenant, j.queue
