@@ -40,8 +40,8 @@ use crate::telemetry::Metrics;
 
 /// Deliveries in flight at a time, per replica.
 pub const IN_FLIGHT: usize = 32;
-/// How often terminal jobs without a delivery row are looked for.
-const SWEEP_EVERY: Duration = Duration::from_secs(60);
+/// Delivery rows the backfill writes per poll.
+const BACKFILL_BATCH: u32 = 500;
 /// CA bundle of `https` callbacks when neither the settings nor
 /// `SSL_CERT_FILE` name one.
 const SYSTEM_ROOTS: &str = "/etc/ssl/certs/ca-certificates.crt";
@@ -146,11 +146,17 @@ impl Dispatcher {
     /// full receivers' rows claims again when one of them frees a slot:
     /// a receiver that answers fast is held to `per_receiver` at a time,
     /// not per `poll`, and its backlog does not hide the others' rows.
-    /// A reconciliation sweep runs every minute.
+    /// Delivery rows missing for jobs that ended before the outbox existed
+    /// are written from the start, a batch per poll, until none are left.
     pub async fn run(self: Arc<Self>, stop: CancellationToken) {
         let mut ticker = tokio::time::interval(self.timings.poll);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut swept_at: Option<tokio::time::Instant> = None;
+        // Jobs that ended before the outbox existed have no delivery row
+        // (every later one is written in its job's own transaction): they
+        // are written from the start, a batch per poll, until a pass finds
+        // fewer. A sweep every minute read every callback job of the retry
+        // window each time, on SQLite inside the one writer.
+        let mut backfilling = true;
         // A claimed row comes back after this if this replica dies mid-send.
         let hold = self.timings.timeout + Duration::from_secs(30);
         let mut in_flight = JoinSet::new();
@@ -179,12 +185,24 @@ impl Dispatcher {
                 }
             };
             more_due |= ticked;
-            if swept_at.is_none_or(|t| t.elapsed() >= SWEEP_EVERY) {
-                swept_at = Some(tokio::time::Instant::now());
-                match self.outbox.reconcile(self.timings.retry_window, 500).await {
-                    Ok(0) => {}
-                    Ok(n) => tracing::info!(rows = n, "webhook sweep wrote missing deliveries"),
-                    Err(err) => tracing::warn!(error = %err, "webhook sweep failed"),
+            if backfilling && ticked {
+                match self
+                    .outbox
+                    .reconcile(self.timings.retry_window, BACKFILL_BATCH)
+                    .await
+                {
+                    Ok(written) => {
+                        if written > 0 {
+                            tracing::info!(
+                                rows = written,
+                                "webhook backfill wrote missing deliveries"
+                            );
+                        }
+                        backfilling = written >= u64::from(BACKFILL_BATCH);
+                    }
+                    Err(err) => {
+                        tracing::warn!(error = %err, "webhook backfill failed; trying again next poll")
+                    }
                 }
             }
             let free = IN_FLIGHT.saturating_sub(in_flight.len());
