@@ -141,11 +141,12 @@ impl Dispatcher {
     /// once half of them are free (one claim per few deliveries, not one
     /// each), and at every `poll`. So receivers that never answer hold
     /// only their own slots for their timeout, never everyone's callbacks.
-    /// A claim cut short by a receiver's limit is followed by another at
-    /// once (which skips the receivers now full), and one that found only
-    /// full receivers' rows claims again when one of them frees a slot:
-    /// a receiver that answers fast is held to `per_receiver` at a time,
-    /// not per `poll`, and its backlog does not hide the others' rows.
+    /// A claim cut short by a receiver's limit is followed by another (which
+    /// skips the receivers now full) at once, or at the next `poll` while
+    /// such claims find nothing; and an attempt that frees a slot at a
+    /// receiver that was full is followed by a claim: a receiver that
+    /// answers fast is held to `per_receiver` at a time, not per `poll`,
+    /// and its backlog hides the others' rows for at most a `poll`.
     /// Delivery rows missing for jobs that ended before the outbox existed
     /// are written from the start, a batch per poll, until none are left.
     pub async fn run(self: Arc<Self>, stop: CancellationToken) {
@@ -167,21 +168,33 @@ impl Dispatcher {
         // Whether more rows may be due: the last claim took some, or left
         // rows of receivers at their limit.
         let mut more_due = false;
+        // Whether the last claim made after one cut short by a receiver's
+        // limit found rows of other receivers. Such a claim steps over the
+        // due rows of the receivers it skips, so while it finds none it is
+        // made once per poll, not after every attempt.
+        let mut others_found = true;
         loop {
-            let ticked = tokio::select! {
+            let (ticked, limit_freed) = tokio::select! {
                 // First: once stopping, nothing more is claimed.
                 biased;
                 () = stop.cancelled() => break,
-                _ = ticker.tick() => true,
+                _ = ticker.tick() => (true, false),
                 Some(done) = in_flight.join_next_with_id(), if !in_flight.is_empty() => {
                     let id = match done {
                         Ok((id, ())) => id,
                         Err(err) => err.id(),
                     };
+                    // A receiver that was at its limit has room again: worth
+                    // a claim even with few slots free (the others may be
+                    // held by receivers that do not answer).
+                    let mut was_full = false;
                     if let Some(receiver) = receiver_of.remove(&id) {
+                        was_full = at_receiver
+                            .get(&receiver)
+                            .is_some_and(|n| *n >= self.timings.per_receiver);
                         release(&mut at_receiver, &receiver);
                     }
-                    false
+                    (false, was_full)
                 }
             };
             more_due |= ticked;
@@ -198,7 +211,9 @@ impl Dispatcher {
                                 "webhook backfill wrote missing deliveries"
                             );
                         }
-                        backfilling = written >= u64::from(BACKFILL_BATCH);
+                        // Until a pass writes nothing: replicas backfilling
+                        // at once each write only part of a pass.
+                        backfilling = written > 0;
                     }
                     Err(err) => {
                         tracing::warn!(error = %err, "webhook backfill failed; trying again next poll")
@@ -206,10 +221,11 @@ impl Dispatcher {
                 }
             }
             let free = IN_FLIGHT.saturating_sub(in_flight.len());
-            if !more_due || free == 0 || (!ticked && free < IN_FLIGHT / 2) {
+            if !more_due || free == 0 || (!ticked && !limit_freed && free < IN_FLIGHT / 2) {
                 continue;
             }
             more_due = false;
+            let mut follow_up = false;
             loop {
                 let free = IN_FLIGHT.saturating_sub(in_flight.len());
                 if free == 0 {
@@ -228,6 +244,9 @@ impl Dispatcher {
                         break;
                     }
                 };
+                if follow_up {
+                    others_found = !due.is_empty();
+                }
                 if due.is_empty() {
                     // Rows of receivers at their limit may be due: a slot
                     // they free is worth a claim.
@@ -245,9 +264,10 @@ impl Dispatcher {
                     let task = in_flight.spawn(async move { this.deliver(delivery).await });
                     receiver_of.insert(task.id(), receiver);
                 }
-                if !cut_short {
+                if !cut_short || !(ticked || others_found) {
                     break;
                 }
+                follow_up = true;
             }
         }
         while in_flight.join_next().await.is_some() {}
