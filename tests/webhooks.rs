@@ -1179,17 +1179,7 @@ async fn a_receiver_that_never_answers_holds_up_only_its_own_callbacks(backend: 
     // More callbacks due at once than a replica has slots (32), each URL
     // different but all one receiver. Cancelled while queued: terminal at
     // once, a callback each.
-    for i in 0..40 {
-        let mut r = submit_req("silent", "k", json!({}));
-        r.callback_url = format!("http://{silent_addr}/hook?job={i}");
-        let job = submit_with(&mut jobs, r).await;
-        jobs.cancel(pb::CancelJobRequest {
-            id: job.id,
-            reason: String::new(),
-        })
-        .await
-        .expect("Cancel");
-    }
+    cancel_with_callbacks(&mut jobs, "silent", &format!("http://{silent_addr}/"), 40).await;
     within(LONG, "the silent receiver's first connection", held.recv())
         .await
         .expect("a delivery to the silent receiver started");
@@ -1204,20 +1194,7 @@ async fn a_receiver_that_never_answers_holds_up_only_its_own_callbacks(backend: 
         "attempts in flight at the silent receiver"
     );
 
-    let answering = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind the answering receiver");
-    let answering_url = format!("http://{}/", answering.local_addr().expect("its address"));
-    let (arrived_tx, mut arrived) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        while let Ok((conn, _)) = answering.accept().await {
-            let arrived_tx = arrived_tx.clone();
-            tokio::spawn(async move {
-                answer_one_request(conn).await;
-                let _ = arrived_tx.send(Instant::now());
-            });
-        }
-    });
+    let (answering_url, mut arrived, _) = answering_receiver(Duration::ZERO).await;
     let finished = Instant::now();
     finish_with_callback(&server, answering_url).await;
     let at = within(LONG, "the other receiver's callback", arrived.recv())
@@ -1243,49 +1220,12 @@ async fn a_fast_receiver_is_held_to_its_limit_at_a_time_not_per_poll(backend: Ba
         s.webhooks.per_receiver = 8;
     })
     .await;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    // Each request on a connection of its own; the most answered at once.
-    let answering = |delay: Duration| async move {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind a receiver");
-        let url = format!("http://{}/", listener.local_addr().expect("its address"));
-        let (arrived_tx, arrived) = tokio::sync::mpsc::unbounded_channel();
-        let open = Arc::new(AtomicUsize::new(0));
-        let most = Arc::new(AtomicUsize::new(0));
-        let most_seen = Arc::clone(&most);
-        tokio::spawn(async move {
-            while let Ok((conn, _)) = listener.accept().await {
-                let arrived_tx = arrived_tx.clone();
-                let (open, most) = (Arc::clone(&open), Arc::clone(&most));
-                tokio::spawn(async move {
-                    let now_open = open.fetch_add(1, Ordering::SeqCst) + 1;
-                    most.fetch_max(now_open, Ordering::SeqCst);
-                    tokio::time::sleep(delay).await;
-                    answer_one_request(conn).await;
-                    open.fetch_sub(1, Ordering::SeqCst);
-                    let _ = arrived_tx.send(Instant::now());
-                });
-            }
-        });
-        (url, arrived, most_seen)
-    };
-    let (busy_url, mut busy, busy_most) = answering(Duration::from_millis(50)).await;
-    let (other_url, mut other, _) = answering(Duration::ZERO).await;
+    let (busy_url, mut busy, busy_most) = answering_receiver(Duration::from_millis(50)).await;
+    let (other_url, mut other, _) = answering_receiver(Duration::ZERO).await;
     let mut jobs = server.jobs_client(TENANT);
     const CALLBACKS: usize = 150;
     let started = Instant::now();
-    for i in 0..CALLBACKS {
-        let mut r = submit_req("busy", "k", json!({}));
-        r.callback_url = format!("{busy_url}hook?job={i}");
-        let job = submit_with(&mut jobs, r).await;
-        jobs.cancel(pb::CancelJobRequest {
-            id: job.id,
-            reason: String::new(),
-        })
-        .await
-        .expect("Cancel");
-    }
+    cancel_with_callbacks(&mut jobs, "busy", &busy_url, CALLBACKS).await;
     finish_with_callback(&server, other_url).await;
     let finished = Instant::now();
     let at = within(LONG, "the other receiver's callback", other.recv())
@@ -1306,9 +1246,61 @@ async fn a_fast_receiver_is_held_to_its_limit_at_a_time_not_per_poll(backend: Ba
         took < Duration::from_secs(10),
         "{CALLBACKS} callbacks at 8 at a time and 50 ms each took {took:?} from the first submit"
     );
-    let most = busy_most.load(Ordering::SeqCst);
+    let most = busy_most.load(std::sync::atomic::Ordering::SeqCst);
     assert!(most <= 8, "{most} callbacks at once at one receiver");
     server.stop().await;
+}
+
+/// `n` jobs of `queue`, each with a callback to `base` (`hook?job=i`),
+/// cancelled while queued: terminal at once, a callback each.
+async fn cancel_with_callbacks(jobs: &mut JobsClient, queue: &str, base: &str, n: usize) {
+    for i in 0..n {
+        let mut r = submit_req(queue, "k", json!({}));
+        r.callback_url = format!("{base}hook?job={i}");
+        let job = submit_with(jobs, r).await;
+        jobs.cancel(pb::CancelJobRequest {
+            id: job.id,
+            reason: String::new(),
+        })
+        .await
+        .expect("Cancel");
+    }
+}
+
+/// A receiver answering each request `204` after `delay`, on a connection
+/// of its own: its URL, the time of each answer, and the most requests it
+/// held at once.
+async fn answering_receiver(
+    delay: Duration,
+) -> (
+    String,
+    tokio::sync::mpsc::UnboundedReceiver<Instant>,
+    Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind a receiver");
+    let url = format!("http://{}/", listener.local_addr().expect("its address"));
+    let (arrived_tx, arrived) = tokio::sync::mpsc::unbounded_channel();
+    let open = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    let most_seen = Arc::clone(&most);
+    tokio::spawn(async move {
+        while let Ok((conn, _)) = listener.accept().await {
+            let arrived_tx = arrived_tx.clone();
+            let (open, most) = (Arc::clone(&open), Arc::clone(&most));
+            tokio::spawn(async move {
+                let now_open = open.fetch_add(1, Ordering::SeqCst) + 1;
+                most.fetch_max(now_open, Ordering::SeqCst);
+                tokio::time::sleep(delay).await;
+                answer_one_request(conn).await;
+                open.fetch_sub(1, Ordering::SeqCst);
+                let _ = arrived_tx.send(Instant::now());
+            });
+        }
+    });
+    (url, arrived, most_seen)
 }
 
 /// Reads one HTTP/1.1 request (headers, then `content-length` bytes of
