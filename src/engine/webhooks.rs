@@ -154,8 +154,8 @@ impl Dispatcher {
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Jobs that ended before the outbox existed have no delivery row
         // (every later one is written in its job's own transaction): they
-        // are written from the start, a batch per poll, until a pass finds
-        // fewer. A sweep every minute read every callback job of the retry
+        // are written from the start, a batch per poll, until a pass writes
+        // none. A sweep every minute read every callback job of the retry
         // window each time, on SQLite inside the one writer.
         let mut backfilling = true;
         // A claimed row comes back after this if this replica dies mid-send.
