@@ -11,8 +11,8 @@ use super::Context;
 use super::backpressure::QueueDepths;
 use super::convert;
 use super::status::{ApiError, item_error};
-use super::tenant::tenant_of;
-use crate::auth::{AuthError, Grant, Identity};
+use super::tenant::{grant_of, tenant_of};
+use crate::auth::{AuthError, Grant};
 use crate::domain::validate::{self, MAX_BATCH, ValidationError};
 use crate::domain::{Job, JobEvent, NewJob};
 use crate::engine::notifier::JobWatch;
@@ -323,10 +323,7 @@ impl JobService for JobsApi {
         request: Request<pb::WatchJobRequest>,
     ) -> Result<Response<WatchStream>, Status> {
         let tenant = tenant_of(&request)?;
-        let grant = self
-            .ctx
-            .tokens
-            .grant(request.extensions().get::<Identity>());
+        let grant = grant_of(&self.ctx.tokens, &request);
         let request = request.into_inner();
         let id = job_id(&request.id)?;
         // Unknown or foreign ids fail the call itself, not the stream later.

@@ -11,8 +11,8 @@ use tonic::{Request, Response, Status};
 use super::Context;
 use super::convert;
 use super::status::item_error;
-use super::tenant::{require_admin, tenant_of};
-use crate::auth::{AuthError, Grant, Identity};
+use super::tenant::{grant_of, require_admin, tenant_of};
+use crate::auth::{AuthError, Grant};
 use crate::domain::validate::{self, MAX_BATCH, ValidationError};
 use crate::domain::{CompleteSpec, Job, LeaseSpec};
 use crate::engine::notifier::{ANY_QUEUE, queue_key};
@@ -240,10 +240,7 @@ impl WorkerService for WorkersApi {
         if request.get_ref().all_tenants {
             require_admin(&request, "/intray.v1.WorkerService/Lease with all_tenants")?;
         }
-        let mut grant = self
-            .ctx
-            .tokens
-            .grant(request.extensions().get::<Identity>());
+        let mut grant = grant_of(&self.ctx.tokens, &request);
         let spec = validate::lease(
             convert::lease_input(request.into_inner())?,
             &self.ctx.limits,
@@ -313,10 +310,7 @@ impl WorkerService for WorkersApi {
                 "/intray.v1.WorkerService/CompleteAndLease with all_tenants",
             )?;
         }
-        let mut grant = self
-            .ctx
-            .tokens
-            .grant(request.extensions().get::<Identity>());
+        let mut grant = grant_of(&self.ctx.tokens, &request);
         let pb::CompleteAndLeaseRequest { items, lease } = request.into_inner();
         let lease = lease.ok_or_else(|| ValidationError::new("lease", "required"))?;
         // The claim is checked before anything is written: a bad one

@@ -120,22 +120,51 @@ mod tests {
         tokio::time::timeout(wait, grant.revoked()).await.is_ok()
     }
 
+    /// A token file, its source, and the identity of `worker-token-0123456789`.
+    struct Tokens {
+        _dir: tempfile::TempDir,
+        path: std::path::PathBuf,
+        source: Arc<TokenSource>,
+        identity: Identity,
+    }
+
+    impl Tokens {
+        fn new(text: &str) -> Tokens {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let path = dir.path().join("tokens");
+            std::fs::write(&path, text).expect("write");
+            let source = Arc::new(TokenSource::from_file(&path).expect("valid file"));
+            let identity = identity_of(&source, "worker-token-0123456789");
+            Tokens {
+                _dir: dir,
+                path,
+                source,
+                identity,
+            }
+        }
+
+        fn reload(&self, text: &str) {
+            std::fs::write(&self.path, text).expect("write");
+            self.source.reload().expect("reload");
+        }
+
+        fn grant(&self) -> Grant {
+            self.source.grant(Some(&self.identity))
+        }
+    }
+
     /// A reload that keeps the token as it was ends nothing; one that
     /// removes it, changes its roles or moves it to another tenant ends
     /// the grant; a grant without a token never ends.
     #[tokio::test]
     async fn a_reload_ends_the_grants_it_takes_away() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("tokens");
-        let write = |text: &str| std::fs::write(&path, text).expect("write");
-        write("worker-token-0123456789 acme worker\nother-token-0123456789 acme worker\n");
-        let source = Arc::new(TokenSource::from_file(&path).expect("valid file"));
-        let identity = identity_of(&source, "worker-token-0123456789");
+        let tokens = Tokens::new(
+            "worker-token-0123456789 acme worker\nother-token-0123456789 acme worker\n",
+        );
         let short = Duration::from_millis(50);
 
-        let mut kept = source.grant(Some(&identity));
-        write("worker-token-0123456789 acme worker\n");
-        source.reload().expect("reload");
+        let mut kept = tokens.grant();
+        tokens.reload("worker-token-0123456789 acme worker\n");
         assert!(
             !ends_within(&mut kept, short).await,
             "the token is unchanged"
@@ -146,15 +175,13 @@ mod tests {
             "worker-token-0123456789 globex worker\n",
             "other-token-0123456789 acme worker\n",
         ] {
-            write("worker-token-0123456789 acme worker\n");
-            source.reload().expect("reload");
-            let mut grant = source.grant(Some(&identity));
-            write(changed);
-            source.reload().expect("reload");
+            tokens.reload("worker-token-0123456789 acme worker\n");
+            let mut grant = tokens.grant();
+            tokens.reload(changed);
             assert!(ends_within(&mut grant, short).await, "ended by {changed:?}");
         }
 
-        let mut open = source.grant(None);
+        let mut open = tokens.source.grant(None);
         assert!(
             !ends_within(&mut open, short).await,
             "no token, nothing to take"
@@ -166,20 +193,14 @@ mod tests {
     /// a reload without waiting for one.
     #[tokio::test]
     async fn a_reload_before_the_grant_or_while_busy_is_seen() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("tokens");
-        let write = |text: &str| std::fs::write(&path, text).expect("write");
-        write("worker-token-0123456789 acme worker\n");
-        let source = Arc::new(TokenSource::from_file(&path).expect("valid file"));
-        let identity = identity_of(&source, "worker-token-0123456789");
+        let tokens = Tokens::new("worker-token-0123456789 acme worker\n");
 
-        let mut kept = source.grant(Some(&identity));
+        let mut kept = tokens.grant();
         assert!(!kept.revoked_now(), "nothing taken yet");
-        write("other-token-0123456789 acme worker\n");
-        source.reload().expect("reload");
+        tokens.reload("other-token-0123456789 acme worker\n");
         assert!(kept.revoked_now(), "seen without waiting");
 
-        let mut late = source.grant(Some(&identity));
+        let mut late = tokens.grant();
         assert!(
             ends_within(&mut late, Duration::from_millis(50)).await,
             "a reload before the grant"

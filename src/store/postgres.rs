@@ -2879,29 +2879,23 @@ mod tests {
             .await
             .expect("open the store");
         let tenant = "default";
-        let in_queue = |queue: &str| {
-            let mut job = new_job();
-            job.queue = queue.into();
-            job
-        };
         let mut woken = notifier.subscribe_queues();
-        for batch in [
-            vec![in_queue("q1"), in_queue("q2")],
-            vec![
-                in_queue("c1"),
-                in_queue("c1"),
-                in_queue("c2"),
-                in_queue("c2"),
-            ],
-        ] {
-            store
-                .submit(tenant, batch)
-                .await
-                .expect("submit")
-                .into_iter()
-                .for_each(|s| drop(s.expect("stored")));
-        }
-        woken_keys(&mut woken);
+        let submit = |queues: &[&str]| {
+            let batch = queues
+                .iter()
+                .map(|queue| {
+                    let mut job = new_job();
+                    job.queue = (*queue).into();
+                    job
+                })
+                .collect();
+            let store = &store;
+            async move {
+                for stored in store.submit(tenant, batch).await.expect("submit") {
+                    stored.expect("stored");
+                }
+            }
+        };
         let lease = |queues: [&str; 2], max_jobs: u32| {
             let mut spec = lease_spec("w", max_jobs);
             spec.queues = queues.map(String::from).to_vec();
@@ -2909,17 +2903,36 @@ mod tests {
             async move { store.lease(tenant, &[spec]).await.expect("lease").concat() }
         };
 
-        let first = lease(["q1", "q2"], 1).await;
-        assert_eq!(first.len(), 1);
-        let other = if first[0].queue == "q1" { "q2" } else { "q1" };
-        assert_eq!(
-            woken_keys(&mut woken),
-            [format!("default/{other}")],
-            "the queue whose job was left over"
-        );
-        assert_eq!(lease(["q1", "q2"], 5).await.len(), 1, "the job left over");
-        assert!(woken_keys(&mut woken).is_empty(), "nothing left over");
+        // A job in each queue, a claim of one: the other queue wakes, and
+        // the claim that takes that job leaves nothing over.
+        for (pair, what) in [
+            (["q1", "q2"], "an uncapped claim"),
+            // The general claim, counting loads under caps.
+            (["d1", "d2"], "a capped claim"),
+        ] {
+            submit(&pair).await;
+            woken_keys(&mut woken);
+            let first = lease(pair, 1).await;
+            assert_eq!(first.len(), 1, "{what}");
+            let other = if first[0].queue == pair[0] {
+                pair[1]
+            } else {
+                pair[0]
+            };
+            assert_eq!(
+                woken_keys(&mut woken),
+                [format!("default/{other}")],
+                "{what}: the queue whose job was left over"
+            );
+            assert_eq!(lease(pair, 5).await.len(), 1, "{what}: the job left over");
+            assert!(
+                woken_keys(&mut woken).is_empty(),
+                "{what}: nothing left over"
+            );
+        }
 
+        submit(&["c1", "c1", "c2", "c2"]).await;
+        woken_keys(&mut woken);
         let capped = lease(["c1", "c2"], 5).await;
         assert_eq!(capped.len(), 2, "one job per capped queue");
         assert!(
@@ -2930,23 +2943,6 @@ mod tests {
         assert!(
             woken_keys(&mut woken).is_empty(),
             "a claim held back wakes nobody"
-        );
-
-        // The general claim (counting loads under caps) reports them too.
-        store
-            .submit(tenant, vec![in_queue("d1"), in_queue("d2")])
-            .await
-            .expect("submit")
-            .into_iter()
-            .for_each(|s| drop(s.expect("stored")));
-        woken_keys(&mut woken);
-        let first = lease(["d1", "d2"], 1).await;
-        assert_eq!(first.len(), 1);
-        let other = if first[0].queue == "d1" { "d2" } else { "d1" };
-        assert_eq!(
-            woken_keys(&mut woken),
-            [format!("default/{other}")],
-            "a capped claim's left over job"
         );
         drop(store);
         scratch.drop().await;
