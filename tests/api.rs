@@ -65,6 +65,11 @@ mod postgres_only {
     async fn complete_where_leased_sees_another_replicas_changes() {
         super::complete_where_leased_sees_another_replicas_changes().await
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_write_whose_caller_left_mid_commit_still_wakes_its_watchers() {
+        super::a_write_whose_caller_left_mid_commit_still_wakes_its_watchers().await
+    }
 }
 
 const LONG: Duration = Duration::from_secs(10);
@@ -3189,6 +3194,59 @@ async fn complete_keeps_a_change_made_after_its_read() {
         1,
         "one outcome recorded"
     );
+    server.stop().await;
+}
+
+/// A `Cancel` whose caller gives up while its COMMIT is in flight still
+/// commits, and its watchers hear of it then, not at their fallback poll
+/// (30 s): the wake-up after a commit ran in the handler, which was dropped
+/// with the call. A deferred trigger holds the COMMIT of a cancel for a
+/// second; the call's deadline is 300 ms.
+async fn a_write_whose_caller_left_mid_commit_still_wakes_its_watchers() {
+    use sqlx::Connection;
+    let server = TestServer::start(Backend::Postgres).await;
+    let mut jobs = server.jobs_client("t");
+    let job = submit(&mut jobs, "slow", "k", json!({})).await;
+    let mut watch = open_watch(&mut jobs, &job.id, 0).await;
+    let submitted = next_event(&mut watch, LONG, "the submit's event").await;
+    assert_eq!(submitted.r#type(), Ev::Submitted);
+
+    let mut admin = sqlx::PgConnection::connect(&server.settings.database_url)
+        .await
+        .expect("connect");
+    sqlx::raw_sql(
+        "CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS
+             $$ BEGIN PERFORM pg_sleep(1); RETURN NULL; END $$;
+         CREATE CONSTRAINT TRIGGER slow_cancel AFTER UPDATE ON jobs
+             DEFERRABLE INITIALLY DEFERRED FOR EACH ROW
+             WHEN (NEW.state = 'cancelled') EXECUTE FUNCTION slow_commit();",
+    )
+    .execute(&mut admin)
+    .await
+    .expect("install the slow commit");
+
+    let started = Instant::now();
+    let mut call = req(
+        "t",
+        pb::CancelJobRequest {
+            id: job.id.clone(),
+            reason: "gave up waiting".into(),
+        },
+    );
+    call.set_timeout(Duration::from_millis(300));
+    let gave_up = jobs.cancel(call).await;
+    assert!(
+        gave_up.is_err(),
+        "the caller went away before the COMMIT ended: {gave_up:?}"
+    );
+    let cancelled = next_event(&mut watch, Duration::from_secs(5), "the cancel's event").await;
+    assert_eq!(cancelled.r#type(), Ev::Cancelled);
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "heard {:?} after the cancel",
+        started.elapsed()
+    );
+    assert_eq!(state(&get(&mut jobs, &job.id).await), St::Cancelled);
     server.stop().await;
 }
 

@@ -2,6 +2,7 @@
 
 use std::collections::{HashSet, VecDeque};
 use std::pin::Pin;
+use std::sync::Arc;
 
 use futures::Stream;
 use tonic::{Request, Response, Status};
@@ -10,6 +11,7 @@ use uuid::Uuid;
 use super::Context;
 use super::backpressure::QueueDepths;
 use super::convert;
+use super::detach::detached;
 use super::status::{ApiError, item_error};
 use super::tenant::{grant_of, tenant_of};
 use crate::auth::{AuthError, Grant};
@@ -42,7 +44,9 @@ impl JobsApi {
 
     async fn set_paused(&self, tenant: &str, queue: &str, paused: bool) -> Result<String, Status> {
         let queue = validate::queue("queue", queue)?;
-        self.ctx.store.set_paused(tenant, &queue, paused).await?;
+        let store = Arc::clone(&self.ctx.store);
+        let (owner, name) = (tenant.to_owned(), queue.clone());
+        detached(async move { store.set_paused(&owner, &name, paused).await }).await?;
         tracing::info!(tenant, queue = %queue, paused, "queue pause changed");
         Ok(queue)
     }
@@ -307,11 +311,12 @@ impl JobService for JobsApi {
         let request = request.into_inner();
         let id = job_id(&request.id)?;
         let reason = validate::cancel_reason(&request.reason)?;
-        let job = self
-            .ctx
-            .store
-            .cancel(&tenant, id, reason, self.ctx.settings.cancel_grace)
-            .await?;
+        let store = Arc::clone(&self.ctx.store);
+        let reason = reason.map(str::to_owned);
+        let grace = self.ctx.settings.cancel_grace;
+        let job =
+            detached(async move { store.cancel(&tenant, id, reason.as_deref(), grace).await })
+                .await?;
         self.ctx.observer.cancelled(&job);
         Ok(Response::new(convert::job(&job)))
     }
@@ -374,7 +379,8 @@ impl JobService for JobsApi {
                         matched,
                     }));
                 }
-                let job = self.ctx.store.retry_one(&tenant, id).await?;
+                let store = Arc::clone(&self.ctx.store);
+                let job = detached(async move { store.retry_one(&tenant, id).await }).await?;
                 self.ctx.observer.replayed(&job);
                 Ok(Response::new(pb::RetryJobResponse {
                     retried: vec![job.id.to_string()],
@@ -390,11 +396,13 @@ impl JobService for JobsApi {
                     states,
                     request.limit,
                 )?;
-                let done = self
-                    .ctx
-                    .store
-                    .retry_matching(&tenant, &filter, request.dry_run)
-                    .await?;
+                let store = Arc::clone(&self.ctx.store);
+                let (owner, dry_run) = (tenant.clone(), request.dry_run);
+                let (done, filter) = detached(async move {
+                    let done = store.retry_matching(&owner, &filter, dry_run).await?;
+                    Ok((done, filter))
+                })
+                .await?;
                 if !request.dry_run {
                     self.ctx.observer.replayed_in_bulk(
                         &tenant,

@@ -4,6 +4,7 @@
 
 mod backpressure;
 pub mod convert;
+mod detach;
 mod jobs;
 mod status;
 mod tenant;

@@ -1,7 +1,7 @@
 //! `intray.v1.WorkerService`: lease, heartbeat and complete.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::broadcast::error::RecvError;
@@ -10,6 +10,7 @@ use tonic::{Request, Response, Status};
 
 use super::Context;
 use super::convert;
+use super::detach::detached;
 use super::status::item_error;
 use super::tenant::{grant_of, require_admin, tenant_of};
 use crate::auth::{AuthError, Grant};
@@ -262,7 +263,8 @@ impl WorkerService for WorkersApi {
             convert::heartbeat_input(request.into_inner())?,
             &self.ctx.limits,
         )?;
-        let ack = self.ctx.store.heartbeat(&tenant, &spec).await?;
+        let store = Arc::clone(&self.ctx.store);
+        let ack = detached(async move { store.heartbeat(&tenant, &spec).await }).await?;
         Ok(Response::new(pb::HeartbeatResponse {
             lease_expires_at: Some(convert::timestamp(ack.lease_expires_at)),
             cancel_requested: ack.cancel_requested,
@@ -288,7 +290,8 @@ impl WorkerService for WorkersApi {
     ) -> Result<Response<pb::CompleteBatchResponse>, Status> {
         let tenant = tenant_of(&request)?;
         let (valid, refused) = self.validate_items("items", request.into_inner().items)?;
-        let stored = self.ctx.store.complete(&tenant, valid).await?;
+        let store = Arc::clone(&self.ctx.store);
+        let stored = detached(async move { store.complete(&tenant, valid).await }).await?;
         Ok(Response::new(pb::CompleteBatchResponse {
             results: self.item_results(refused, stored),
         }))
