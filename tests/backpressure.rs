@@ -18,6 +18,7 @@ common::backend_tests!(
     resume_wakes_a_waiting_worker,
     queue_bound_refuses_with_retry_info,
     a_batch_repeating_a_key_takes_one_slot,
+    a_submit_that_stores_nothing_gives_its_slot_back,
     retention_deletes_old_finished_jobs,
     retention_forgets_workers_unseen_and_idle,
     counts_follow_concurrent_transitions,
@@ -270,6 +271,60 @@ async fn a_batch_repeating_a_key_takes_one_slot(backend: Backend) {
     .await;
     assert_eq!(stored.len(), 1, "one job for the key");
     server.stop().await;
+}
+
+/// A submit the store answers without storing a job (a repeat of an
+/// accepted one, its key with other input), alone or in a batch, leaves the
+/// queue's room as it was: counted as a job until the next count (up to
+/// ten seconds), such answers refused new jobs near the bound.
+async fn a_submit_that_stores_nothing_gives_its_slot_back(backend: Backend) {
+    use pb::submit_batch_result::Result as R;
+    let server = TestServer::start_with(backend, |s| s.queue_bound = 3).await;
+    let mut jobs = server.jobs_client("t");
+    let mut keyed = submit_req("room", "k", json!({"n": 0}));
+    keyed.idempotency_key = "once".into();
+    let mut other_input = keyed.clone();
+    other_input.payload = Some(json_to_value(json!({"n": 1})));
+    assert!(submit_with_answer(&mut jobs, keyed.clone()).await.created);
+    for _ in 0..2 {
+        assert!(!submit_with_answer(&mut jobs, keyed.clone()).await.created);
+        expect_code(
+            jobs.submit(other_input.clone()).await,
+            Code::AlreadyExists,
+            "the key with other input",
+        );
+    }
+    let results = jobs
+        .submit_batch(pb::SubmitBatchRequest {
+            jobs: vec![keyed.clone(), other_input],
+        })
+        .await
+        .expect("SubmitBatch")
+        .into_inner()
+        .results;
+    assert!(matches!(&results[0].result, Some(R::Ok(ok)) if !ok.created));
+    assert!(
+        matches!(&results[1].result, Some(R::Error(e)) if e.code == Code::AlreadyExists as i32)
+    );
+    for n in 0..2 {
+        let room = jobs
+            .submit(submit_req("room", "k", json!({"new": n})))
+            .await;
+        assert!(
+            room.is_ok(),
+            "job {n} of the two the bound has room for: {room:?}"
+        );
+    }
+    expect_code(
+        jobs.submit(submit_req("room", "k", json!({}))).await,
+        Code::ResourceExhausted,
+        "the bound still holds",
+    );
+    server.stop().await;
+}
+
+async fn submit_with_answer(jobs: &mut JobsClient, r: pb::SubmitRequest) -> pb::SubmitResponse {
+    jobs.submit(r).await.expect("Submit").into_inner()
 }
 
 /// Finished jobs older than the retention window are deleted with their

@@ -43,6 +43,18 @@ struct Depth {
     at: Instant,
 }
 
+/// A job's place in its queue's depth, taken by [`QueueDepths::admit`]:
+/// given back when the store stored nothing for it (a repeat of an
+/// accepted submit, a refused item), so that it does not count against the
+/// bound until the next count.
+#[derive(Clone, Copy, Debug)]
+#[must_use = "a slot for a job not stored is given back"]
+pub struct Slot {
+    /// The count the slot was added to: a count made since already leaves
+    /// out what was not stored.
+    counted_at: Instant,
+}
+
 /// Per-replica view of queue depths.
 pub struct QueueDepths {
     bound: u64,
@@ -97,7 +109,7 @@ impl QueueDepths {
         store: &dyn Store,
         tenant: &str,
         queue: &str,
-    ) -> Result<(), ApiError> {
+    ) -> Result<Slot, ApiError> {
         let key = (tenant.to_owned(), queue.to_owned());
         let now = Instant::now();
         if self.claim_recount(&key, now) {
@@ -127,7 +139,20 @@ impl QueueDepths {
         }
         depth.queued += 1;
         depth.admitted += 1;
-        Ok(())
+        Ok(Slot {
+            counted_at: depth.at,
+        })
+    }
+
+    /// Gives back the slot of a job the store did not store.
+    pub fn give_back(&self, tenant: &str, queue: &str, slot: Slot) {
+        let mut counted = self.counted.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(depth) = counted.get_mut(&(tenant.to_owned(), queue.to_owned()))
+            && depth.at == slot.counted_at
+        {
+            depth.queued = depth.queued.saturating_sub(1);
+            depth.admitted = depth.admitted.saturating_sub(1);
+        }
     }
 }
 

@@ -9,7 +9,7 @@ use tonic::{Request, Response, Status};
 use uuid::Uuid;
 
 use super::Context;
-use super::backpressure::QueueDepths;
+use super::backpressure::{QueueDepths, Slot};
 use super::convert;
 use super::detach::detached;
 use super::status::{ApiError, item_error};
@@ -105,7 +105,7 @@ impl JobsApi {
     /// would have at first: a producer retrying a submit whose answer it
     /// lost must not be told that a job it already has is invalid, or to
     /// come back later for it.
-    async fn admit(&self, tenant: &str, new: &NewJob) -> Result<Option<Job>, ApiError> {
+    async fn admit(&self, tenant: &str, new: &NewJob) -> Result<Admitted, ApiError> {
         let refused = match validate::not_expired(new, self.ctx.store.now()) {
             Err(expired) => ApiError::from(expired),
             Ok(()) => match self
@@ -113,7 +113,7 @@ impl JobsApi {
                 .admit(&*self.ctx.store, tenant, &new.queue)
                 .await
             {
-                Ok(()) => return Ok(None),
+                Ok(slot) => return Ok(Admitted::Slot(slot)),
                 Err(full @ ApiError::QueueFull { .. }) => full,
                 Err(other) => return Err(other),
             },
@@ -122,7 +122,9 @@ impl JobsApi {
             return Err(refused);
         };
         match self.ctx.store.get_by_key(tenant, key).await? {
-            Some(original) if original.input_hash == new.input_hash => Ok(Some(original)),
+            Some(original) if original.input_hash == new.input_hash => {
+                Ok(Admitted::Original(Box::new(original)))
+            }
             Some(_) => Err(StoreError::IdempotencyConflict.into()),
             None => Err(refused),
         }
@@ -140,9 +142,9 @@ impl JobsApi {
         tenant: &str,
         new: &NewJob,
         admitted_keys: &HashSet<String>,
-    ) -> Result<Option<Job>, ApiError> {
+    ) -> Result<Admitted, ApiError> {
         match &new.idempotency_key {
-            Some(key) if admitted_keys.contains(key) => Ok(None),
+            Some(key) if admitted_keys.contains(key) => Ok(Admitted::Repeat),
             _ => self.admit(tenant, new).await,
         }
     }
@@ -162,6 +164,18 @@ impl JobsApi {
         }
         Ok(new)
     }
+}
+
+/// What [`JobsApi::admit`] let in.
+enum Admitted {
+    /// A job for the store, with its slot in the queue's depth.
+    Slot(Slot),
+    /// A batch item repeating the key of an earlier item of the batch: it
+    /// goes to the store beside it, without a slot of its own.
+    Repeat,
+    /// A repeat of an accepted job refused for its deadline or the bound,
+    /// answered with that job (boxed: a job is large beside a slot).
+    Original(Box<Job>),
 }
 
 /// Marks a `Submit` made by the webhook ingress: a request extension only
@@ -198,13 +212,23 @@ impl JobService for JobsApi {
         let from_ingress = request.extensions().get::<FromIngress>().is_some();
         let mut new = self.validate_submit(request.into_inner(), from_ingress)?;
         new.trace_parent = trace_parent;
-        if let Some(original) = self.admit(&tenant, &new).await? {
-            return Ok(Response::new(pb::SubmitResponse {
-                job: Some(convert::job(&original)),
-                created: false,
-            }));
+        let slot = match self.admit(&tenant, &new).await? {
+            Admitted::Original(original) => {
+                return Ok(Response::new(pb::SubmitResponse {
+                    job: Some(convert::job(&original)),
+                    created: false,
+                }));
+            }
+            Admitted::Slot(slot) => Some(slot),
+            Admitted::Repeat => None,
+        };
+        let queue = new.queue.clone();
+        let submitted = self.ctx.batchers.submit(&tenant, new).await;
+        let created = matches!(&submitted, Ok(Ok(s)) if s.created);
+        if let (false, Some(slot)) = (created, slot) {
+            self.depths.give_back(&tenant, &queue, slot);
         }
-        let submitted = self.ctx.batchers.submit(&tenant, new).await??;
+        let submitted = submitted??;
         if submitted.created {
             self.ctx.observer.submitted(&submitted.job);
         }
@@ -229,6 +253,8 @@ impl JobService for JobsApi {
         let mut answers: Vec<Option<pb::submit_batch_result::Result>> =
             Vec::with_capacity(jobs.len());
         let mut valid = Vec::new();
+        // Each valid item's queue and slot (none for a repeated key).
+        let mut slots: Vec<(String, Option<Slot>)> = Vec::new();
         let mut admitted_keys = HashSet::new();
         for (i, job) in jobs.into_iter().enumerate() {
             let admitted = match self.validate_submit(job, false) {
@@ -239,19 +265,25 @@ impl JobService for JobsApi {
                 Err(invalid) => Err(invalid.into()),
             };
             match admitted {
-                Ok((new, None)) => {
+                Ok((new, Admitted::Slot(slot))) => {
                     if let Some(key) = &new.idempotency_key {
                         admitted_keys.insert(key.clone());
                     }
+                    slots.push((new.queue.clone(), Some(slot)));
                     valid.push(new);
                     answers.push(None);
                 }
-                Ok((_, Some(original))) => answers.push(Some(pb::submit_batch_result::Result::Ok(
-                    pb::SubmitResponse {
+                Ok((new, Admitted::Repeat)) => {
+                    slots.push((new.queue.clone(), None));
+                    valid.push(new);
+                    answers.push(None);
+                }
+                Ok((_, Admitted::Original(original))) => answers.push(Some(
+                    pb::submit_batch_result::Result::Ok(pb::SubmitResponse {
                         job: Some(convert::job(&original)),
                         created: false,
-                    },
-                ))),
+                    }),
+                )),
                 Err(mut refused) => {
                     if let ApiError::Invalid(invalid) = &mut refused {
                         invalid.field = format!("jobs[{i}].{}", invalid.field);
@@ -268,10 +300,18 @@ impl JobService for JobsApi {
         // Nothing to store is nothing to ask the database (or, on SQLite,
         // its writer lock) for: the answers are all in already.
         let stored = if valid.is_empty() {
-            Vec::new()
+            Ok(Vec::new())
         } else {
-            self.ctx.batchers.submit_batch(&tenant, valid).await?
+            self.ctx.batchers.submit_batch(&tenant, valid).await
         };
+        for (i, (queue, slot)) in slots.into_iter().enumerate() {
+            let created =
+                matches!(&stored, Ok(items) if matches!(items.get(i), Some(Ok(s)) if s.created));
+            if let (false, Some(slot)) = (created, slot) {
+                self.depths.give_back(&tenant, &queue, slot);
+            }
+        }
+        let stored = stored?;
         for submitted in stored.iter().flatten() {
             if submitted.created {
                 self.ctx.observer.submitted(&submitted.job);
