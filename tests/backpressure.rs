@@ -200,7 +200,8 @@ async fn queue_bound_refuses_with_retry_info(backend: Backend) {
         .into_inner();
     match &batch.results[0].result {
         Some(pb::submit_batch_result::Result::Error(e)) => {
-            assert_eq!(e.code, Code::ResourceExhausted as i32)
+            assert_eq!(e.code, Code::ResourceExhausted as i32);
+            assert!(e.retry_delay.is_some(), "the item's retry delay: {e:?}");
         }
         other => panic!("the full queue's item must fail: {other:?}"),
     }

@@ -4,6 +4,7 @@
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
+use super::convert;
 use crate::auth::AuthError;
 use crate::domain::validate::ValidationError;
 use crate::pb;
@@ -115,13 +116,15 @@ impl From<ProtectError> for Status {
 pub fn item_error(err: impl Into<ApiError>) -> pb::ItemError {
     let err = err.into();
     let (code, message) = code_and_message(&err);
-    let field = match &err {
-        ApiError::Invalid(v) => v.field.clone(),
-        ApiError::Store(_) | ApiError::QueueFull { .. } => String::new(),
+    let (field, retry_delay) = match &err {
+        ApiError::Invalid(v) => (v.field.clone(), None),
+        ApiError::QueueFull { retry_after, .. } => (String::new(), Some(*retry_after)),
+        ApiError::Store(_) => (String::new(), None),
     };
     pb::ItemError {
         code: code as i32,
         message,
         field,
+        retry_delay: retry_delay.map(convert::duration),
     }
 }

@@ -414,6 +414,7 @@ mod tests {
             code: Code::InvalidArgument as i32,
             message: "must not be negative".into(),
             field: field.into(),
+            retry_delay: None,
         };
         assert!(names_cost(&item_status(item("items[0].cost_cents"))));
         assert!(names_cost(&item_status(item("cost_cents"))));

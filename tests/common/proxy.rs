@@ -95,6 +95,7 @@ impl Proxy {
             code: Code::Unavailable as i32,
             message: unavailable().message().to_owned(),
             field: String::new(),
+            retry_delay: None,
         };
         Ok(Response::new(pb::CompleteAndLeaseResponse {
             results: vec![pb::CompleteBatchResult {
