@@ -435,6 +435,11 @@ async fn retries_exhausted_then_replay(backend: Backend) {
     let replayed = get(&mut jobs, &job.id).await;
     assert_eq!(state(&replayed), St::Queued);
     assert_eq!(replayed.attempt, 0, "fresh attempt budget");
+    assert!(
+        replayed.started_at.is_none(),
+        "the new run has not started: {:?}",
+        replayed.started_at
+    );
     let events = watch_all_until_now(&mut jobs, &job.id).await;
     assert_eq!(event_types(&events).last(), Some(&Ev::Replayed));
     assert_eq!(events.last().map(|e| e.state), Some(St::Queued as i32));

@@ -351,6 +351,7 @@ async fn a_lease_reserved_by_a_stalled_submit_ends_near_its_wait() {
                 let job = get(&mut jobs, &stored.id).await;
                 if state(&job) == St::Queued {
                     assert_eq!(job.attempt, 0, "the attempt given back");
+                    assert!(job.started_at.is_none(), "nobody started it");
                     assert!(job.lease_owner.is_empty());
                     break;
                 }

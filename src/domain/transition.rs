@@ -219,6 +219,7 @@ pub fn replay(job: &mut Job, now: DateTime<Utc>) -> Result<JobEvent, TransitionE
     let from = job.state;
     job.state = JobState::Queued;
     job.attempt = 0;
+    job.started_at = None;
     job.run_at = now;
     job.result = None;
     job.error = None;
@@ -278,6 +279,10 @@ pub fn give_back(
         return Err(TransitionError::LeaseLost);
     }
     job.attempt = job.attempt.saturating_sub(1);
+    if job.attempt == 0 {
+        // Nobody ran it: a job with no attempt spent has not started.
+        job.started_at = None;
+    }
     if job.cancel_requested || job.deadline.is_some_and(|d| d <= now) {
         return Ok(lease_expired(job, now));
     }
@@ -367,8 +372,18 @@ mod tests {
             "a job nobody ran does not fail"
         );
         assert_eq!(job.attempt, 0);
+        assert_eq!(job.started_at, None, "nobody started it");
         assert_eq!(job.run_at, run_at);
         assert_eq!(job.lease_token, None);
+
+        let mut retried = running(2, 3);
+        let started = retried.started_at;
+        give_back(&mut retried, "tok", t(5)).expect("its own token");
+        assert_eq!(
+            (retried.attempt, retried.started_at),
+            (1, started),
+            "its first attempt did start"
+        );
         assert_eq!(event.kind, EventType::LeaseExpired);
         assert_eq!(event.worker_id.as_deref(), Some("w1"));
 
@@ -554,6 +569,7 @@ mod tests {
         assert_eq!(job.error, None);
         assert_eq!(job.deadline, None);
         assert_eq!(job.run_at, t(5));
+        assert_eq!(job.started_at, None, "the new run has not started");
 
         for state in [JobState::Succeeded, JobState::Running, JobState::Queued] {
             let mut job = running(1, 3);

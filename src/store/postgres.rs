@@ -923,7 +923,10 @@ macro_rules! write_ctes {
             cancel_requested = i.cancel_requested, cancel_requested_at = i.cancel_requested_at,
             cost_cents = i.cost_cents, lease_owner = i.lease_owner, lease_token = i.lease_token,
             lease_expires_at = i.lease_expires_at, run_at = i.run_at, deadline = i.deadline,
-            updated_at = i.updated_at, finished_at = i.finished_at, event_seq = i.event_seq
+            updated_at = i.updated_at, finished_at = i.finished_at, event_seq = i.event_seq,
+            -- A job with no attempt spent has not started (a first lease
+            -- given back, a replay): the rule of domain::transition.
+            started_at = CASE WHEN i.attempt = 0 THEN NULL ELSE j.started_at END
         FROM input i
         WHERE j.ctid = ANY(ARRAY(
                   SELECT (SELECT f.ctid FROM jobs f WHERE f.tenant = w.tenant AND f.id = w.id
@@ -3414,6 +3417,12 @@ mod tests {
             .await
             .expect("given back");
         assert_eq!((back.state, back.attempt), (JobState::Queued, 0));
+        let stored = store.get("default", leased.id).await.expect("get");
+        assert_eq!(
+            (stored.attempt, stored.started_at),
+            (0, None),
+            "stored as never started"
+        );
         assert!(matches!(
             store.give_back("default", leased.id, &token).await,
             Err(StoreError::LeaseLost)

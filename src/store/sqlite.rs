@@ -313,7 +313,10 @@ async fn save(conn: &mut SqliteConnection, job: &Job, event: &JobEvent) -> Store
         "UPDATE jobs SET state = ?2, result = ?3, error_class = ?4, error_message = ?5,
             attempt = ?6, progress = ?7, cancel_requested = ?8, cancel_requested_at = ?9,
             cost_cents = ?10, lease_owner = ?11, lease_token = ?12, lease_expires_at = ?13,
-            run_at = ?14, deadline = ?15, updated_at = ?16, finished_at = ?17, event_seq = ?18
+            run_at = ?14, deadline = ?15, updated_at = ?16, finished_at = ?17, event_seq = ?18,
+            -- A job with no attempt spent has not started (a first lease
+            -- given back, a replay): the rule of domain::transition.
+            started_at = CASE WHEN ?6 = 0 THEN NULL ELSE started_at END
          WHERE id = ?1 AND event_seq = ?19",
     )
     .bind(job.id.to_string())
