@@ -28,8 +28,9 @@ use crate::tls::{TlsError, TlsState};
 
 /// Largest request a service accepts: a full `SubmitBatch` of typical jobs.
 const MAX_REQUEST_BYTES: usize = 16 * 1024 * 1024;
-/// Largest response: a `List` page of 1,000 jobs with their payloads.
-const MAX_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
+/// Largest response: a `List` page of 1,000 jobs with their payloads (the
+/// HTTP face holds its JSON answers to it too).
+pub(crate) const MAX_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
 /// TCP keepalive on accepted connections: finds peers that vanished without
 /// a FIN (a node gone) even when HTTP/2 pings are answered by a proxy.
 const TCP_KEEPALIVE: Duration = Duration::from_secs(60);

@@ -672,6 +672,22 @@ async fn stats_and_pause_resume(backend: Backend) {
             .expect_error(403, "PERMISSION_DENIED");
     }
     assert!(queue_stats(&http.get("/api/v1/stats").await.json(), "s")["paused"].is_null());
+    // Basic credentials a browser adds by itself do not vouch for a post.
+    lan.clone()
+        .with("origin", "http://evil.example")
+        .with("authorization", "Basic dXNlcjpwYXNz")
+        .post("/api/v1/queues/s:pause", json!({}))
+        .await
+        .expect_error(403, "PERMISSION_DENIED");
+    // A bearer token no page can attach by itself: the dashboard's, behind
+    // a proxy that rewrote Host, whose Origin names the proxy.
+    let proxied = lan
+        .clone()
+        .with("origin", "http://intray.corp")
+        .with("authorization", "Bearer the-dashboards-token-0123456789")
+        .post("/api/v1/queues/s:pause", json!({}))
+        .await;
+    assert_eq!(proxied.status, 200, "a post with a bearer token passes");
     let own = lan
         .clone()
         .with("origin", "http://192.168.1.5:8080")

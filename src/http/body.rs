@@ -121,11 +121,38 @@ impl<'de> Visitor<'de> for CountingItems {
 
 /// A JSON answer.
 pub fn json<T: Serialize>(status: StatusCode, message: &T) -> Response {
+    json_within(status, message, crate::server::MAX_RESPONSE_BYTES)
+}
+
+/// [`json`], refused `OUT_OF_RANGE` past `limit` bytes, as the gRPC port
+/// refuses a message past the same limit (a `List` page of large payloads).
+fn json_within<T: Serialize>(status: StatusCode, message: &T, limit: usize) -> Response {
     match serde_json::to_vec(message) {
+        Ok(bytes) if bytes.len() > limit => HttpError::Rpc(tonic::Status::out_of_range(format!(
+            "the answer is {} bytes, over the {limit} bytes a response may have; ask for a smaller page",
+            bytes.len()
+        )))
+        .into_response(),
         Ok(bytes) => (status, [(header::CONTENT_TYPE, "application/json")], bytes).into_response(),
         Err(err) => {
             tracing::error!(error = %err, "cannot encode a response as JSON");
             HttpError::Rpc(tonic::Status::internal("internal error")).into_response()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An answer past the limit is refused, as the gRPC port refuses a
+    /// message past it, not sent whole.
+    #[test]
+    fn an_answer_past_the_limit_is_refused() {
+        let page = serde_json::json!({"jobs": ["x".repeat(100)]});
+        let fits = json_within(StatusCode::OK, &page, 1000);
+        assert_eq!(fits.status(), StatusCode::OK);
+        let over = json_within(StatusCode::OK, &page, 50);
+        assert_eq!(over.status(), StatusCode::BAD_REQUEST, "OUT_OF_RANGE");
     }
 }

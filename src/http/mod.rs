@@ -147,7 +147,11 @@ async fn refuse_unknown_caller(
 /// `http://192.168.1.5:8080` they send none, and then the `Origin` (sent
 /// with every cross-origin POST) must name the host the request is for. The
 /// dashboard's own requests are `same-origin`, and API clients send
-/// neither header.
+/// neither header. A request with a bearer token passes: no page can attach
+/// one to a request for another site without a preflight this server never
+/// answers (unlike a cookie or Basic credentials, which browsers add by
+/// themselves). The dashboard sends one when the server has a token file,
+/// and behind a proxy that rewrites `Host` its `Origin` names the proxy.
 async fn refuse_cross_site(request: Request, next: Next) -> Response {
     let changes = !matches!(
         *request.method(),
@@ -166,7 +170,11 @@ async fn refuse_cross_site(request: Request, next: Next) -> Response {
             .get(header::ORIGIN)
             .is_some_and(|origin| !origin_is_host(origin.as_bytes(), host)),
     };
-    if changes && from_elsewhere {
+    let bearer = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|value| value.as_bytes().get(..7))
+        .is_some_and(|scheme| scheme.eq_ignore_ascii_case(b"bearer "));
+    if changes && from_elsewhere && !bearer {
         return HttpError::Rpc(Status::permission_denied(
             "a browser's request from another site's page is refused (Sec-Fetch-Site, Origin)",
         ))

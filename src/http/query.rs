@@ -1,8 +1,10 @@
 //! Query strings: the filters of `GET /api/v1/jobs` and the queue of
 //! `GET /api/v1/stats`. Unknown parameters are refused, so that a typo does
-//! not silently widen a filter.
+//! not silently widen a filter, and so is a second value for a parameter
+//! that takes one (`queue=a&queue=`, an empty last value, would list every
+//! queue).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use crate::domain::validate::ValidationError;
 use crate::pb;
@@ -12,6 +14,19 @@ fn pairs(query: Option<&str>) -> Vec<(String, String)> {
     form_urlencoded::parse(query.unwrap_or_default().as_bytes())
         .map(|(k, v)| (k.into_owned(), v.into_owned()))
         .collect()
+}
+
+/// Refuses a second value for a parameter that takes one: which of them
+/// applied would be a guess.
+fn first_time(seen: &mut HashSet<String>, name: &str) -> Result<(), ValidationError> {
+    if seen.insert(name.to_owned()) {
+        Ok(())
+    } else {
+        Err(ValidationError::new(
+            name,
+            "given twice; it takes one value",
+        ))
+    }
 }
 
 /// A job state written as `FAILED`, `failed` or `JOB_STATE_FAILED`.
@@ -38,7 +53,11 @@ pub fn job_state(field: &str, text: &str) -> Result<pb::JobState, ValidationErro
 pub fn list(query: Option<&str>) -> Result<pb::ListJobsRequest, ValidationError> {
     let mut request = pb::ListJobsRequest::default();
     let mut labels = HashMap::new();
+    let mut seen = HashSet::new();
     for (name, value) in pairs(query) {
+        if !matches!(name.as_str(), "state" | "label") {
+            first_time(&mut seen, &name)?;
+        }
         match name.as_str() {
             "queue" => request.queue = value,
             "kind" => request.kind = value,
@@ -78,7 +97,11 @@ pub fn list(query: Option<&str>) -> Result<pb::ListJobsRequest, ValidationError>
 /// filter, the dead set (failed jobs) without `state`.
 pub fn dead_set(query: Option<&str>) -> Result<pb::RetryFilter, ValidationError> {
     let mut filter = pb::RetryFilter::default();
+    let mut seen = HashSet::new();
     for (name, value) in pairs(query) {
+        if name != "state" {
+            first_time(&mut seen, &name)?;
+        }
         match name.as_str() {
             "queue" => filter.queue = value,
             "kind" => filter.kind = value,
@@ -97,7 +120,9 @@ pub fn dead_set(query: Option<&str>) -> Result<pb::RetryFilter, ValidationError>
 /// `GET /api/v1/stats?queue=`.
 pub fn stats(query: Option<&str>) -> Result<pb::StatsRequest, ValidationError> {
     let mut request = pb::StatsRequest::default();
+    let mut seen = HashSet::new();
     for (name, value) in pairs(query) {
+        first_time(&mut seen, &name)?;
         match name.as_str() {
             "queue" => request.queue = value,
             other => return Err(unknown(other)),
@@ -185,6 +210,27 @@ mod tests {
             "label[team]"
         );
         assert_eq!(list(Some("queu=x")).expect_err("typo").field, "queu");
+        for query in [
+            "queue=a&queue=b",
+            "queue=a&queue=",
+            "page_size=1&page_size=2",
+        ] {
+            assert!(list(Some(query)).is_err(), "{query}");
+        }
+        assert_eq!(
+            dead_set(Some("queue=payments&queue="))
+                .expect_err("twice")
+                .field,
+            "queue"
+        );
+        assert_eq!(
+            stats(Some("queue=a&queue=b")).expect_err("twice").field,
+            "queue"
+        );
+        assert!(
+            list(Some("state=failed&state=expired")).is_ok(),
+            "state repeats"
+        );
         assert_eq!(stats(Some("q=x")).expect_err("typo").field, "q");
         assert_eq!(
             after_sequence(Some("after_sequence=3")).expect("ok"),
