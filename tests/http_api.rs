@@ -194,7 +194,7 @@ async fn submit_poll_and_idempotency(backend: Backend) {
     let http = Http::new(&server);
 
     let keyed = http.clone().with("idempotency-key", "order-42");
-    let body = job_body("mail", "send", json!({"to": "a@example.com"}));
+    let body = job_body("mail", "send", json!({"to": "a@example.com", "n": 5}));
     let first = keyed.post("/api/v1/jobs", body.clone()).await;
     assert_eq!(first.status, 202);
     let job = first.json();
@@ -202,7 +202,11 @@ async fn submit_poll_and_idempotency(backend: Backend) {
     assert_eq!(first.header("location"), format!("/api/v1/jobs/{id}"));
     assert_eq!(job["state"], "JOB_STATE_QUEUED");
     assert_eq!(job["idempotencyKey"], "order-42");
-    assert_eq!(job["payload"], json!({"to": "a@example.com"}));
+    assert_eq!(
+        job["payload"],
+        json!({"to": "a@example.com", "n": 5}),
+        "a whole number comes back as it was written, not as 5.0"
+    );
 
     // Poll it where Location says, and see the gRPC face agree.
     let polled = http.get(first.header("location")).await;

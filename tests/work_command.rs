@@ -35,6 +35,7 @@ const SCRIPT: &str = r#"#!/bin/sh
 payload=$(cat)
 case "$INTRAY_KIND" in
   ok)
+    printf '%s' "$payload" > "$WORK_DIR/$INTRAY_JOB_ID.payload"
     printf '{"payload":%s,"job":"%s","attempt":%s,"kind":"%s","queue":"%s"}\n' \
       "$payload" "$INTRAY_JOB_ID" "$INTRAY_ATTEMPT" "$INTRAY_KIND" "$INTRAY_QUEUE" ;;
   text)
@@ -184,6 +185,12 @@ async fn work_success(backend: Backend) {
             "queue": "shell",
         })),
         "stdout JSON is the result; payload on stdin, job facts in the environment"
+    );
+    let stdin = std::fs::read_to_string(worker.path(&format!("{}.payload", ok.id)))
+        .expect("the payload the command read");
+    assert_eq!(
+        stdin, r#"{"doc":"hello","n":[1,2]}"#,
+        "whole numbers as integers"
     );
     assert_eq!(done.lease_owner, "");
     let done = wait_for_state(&mut jobs, &text.id, St::Succeeded, LONG).await;

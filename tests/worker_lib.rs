@@ -34,6 +34,7 @@ common::backend_tests!(
     drain_hands_back_jobs_that_overrun_the_grace,
     refused_worker_stops_with_an_error,
     an_idle_worker_without_a_wait_calls_once_a_second,
+    numbers_keep_their_kind_both_ways,
 );
 
 const TENANT: &str = "acme";
@@ -134,6 +135,30 @@ async fn handler_success(backend: Backend) {
     assert!(events.iter().any(|e| e.worker_id == "lib-worker"));
     assert_eq!(state(&get(&mut jobs, &other.id).await), St::Queued);
 
+    worker.stop(LONG).await.expect("worker stops cleanly");
+    server.stop().await;
+}
+
+/// A payload's whole numbers reach a handler as integers (a protobuf
+/// `Value` holds them as doubles: `5` arrived as `5.0`, and `as_u64` was
+/// `None`), and an integer result past 2^53 (an id) is sent as the nearest
+/// double instead of failing finished work for good.
+async fn numbers_keep_their_kind_both_ways(backend: Backend) {
+    async fn count(job: Job, _ctx: JobContext) -> Result<Value, JobError> {
+        let n = job.payload["n"]
+            .as_u64()
+            .ok_or_else(|| JobError::fatal("not_an_integer", job.payload.to_string()))?;
+        Ok(json!({"doubled": n * 2, "id": 9_007_199_254_740_993_u64}))
+    }
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let worker = Running::start(builder(&server).queue("q").handler("count", count));
+    let job = submit(&mut jobs, "q", "count", json!({"n": 5})).await;
+    let done = wait_for_state(&mut jobs, &job.id, St::Succeeded, LONG).await;
+    assert_eq!(
+        done.result.as_ref().map(value_to_json),
+        Some(json!({"doubled": 10.0, "id": 9_007_199_254_740_992.0}))
+    );
     worker.stop(LONG).await.expect("worker stops cleanly");
     server.stop().await;
 }

@@ -8,6 +8,7 @@ use chrono::{DateTime, Utc};
 use serde_json::Value;
 
 use crate::domain::breaker::BreakerState;
+use crate::domain::json::{numbers_as_doubles, whole_numbers_as_integers};
 use crate::domain::validate::{
     HeartbeatInput, LeaseInput, ListInput, OutcomeInput, SubmitInput, ValidationError,
 };
@@ -81,20 +82,31 @@ pub fn from_duration(field: &str, d: Option<pbjson_types::Duration>) -> Result<O
     Ok(Some(Duration::new(secs, nanos)))
 }
 
-/// A protobuf `Value` as JSON; a missing value is `null`. Non-finite
-/// numbers have no JSON form and are refused.
+/// A protobuf `Value` as JSON, whole numbers as integers (as they were
+/// most likely written); a missing value is `null`. Non-finite numbers have
+/// no JSON form and are refused.
 pub fn from_value(field: &str, v: Option<pbjson_types::Value>) -> Result<Value> {
     match v {
         None => Ok(Value::Null),
-        Some(v) => serde_json::to_value(&v).map_err(|_| {
-            ValidationError::new(field, "is not representable as JSON (NaN or infinity?)")
-        }),
+        Some(v) => {
+            let mut json = serde_json::to_value(&v).map_err(|_| {
+                ValidationError::new(field, "is not representable as JSON (NaN or infinity?)")
+            })?;
+            whole_numbers_as_integers(&mut json);
+            Ok(json)
+        }
     }
 }
 
-/// JSON as a protobuf `Value` (`None` only for what `Value` cannot hold).
+/// JSON as a protobuf `Value`. An integer a double cannot hold exactly
+/// (stored by an earlier build, or written by hand) goes as the nearest
+/// double rather than leaving the value out.
 pub fn value(v: &Value) -> Option<pbjson_types::Value> {
-    serde_json::from_value(v.clone()).ok()
+    serde_json::from_value(v.clone()).ok().or_else(|| {
+        let mut doubles = v.clone();
+        numbers_as_doubles(&mut doubles);
+        serde_json::from_value(doubles).ok()
+    })
 }
 
 fn detail_struct(v: &Option<Value>) -> Option<pbjson_types::Struct> {
@@ -384,6 +396,21 @@ pub fn job_group(g: &crate::store::JobGroup) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An integer a double cannot hold (stored by an earlier build) is
+    /// shown as the nearest double; it was left out of the answer.
+    #[test]
+    fn a_stored_integer_past_2_53_is_shown() {
+        let shown = value(&serde_json::json!({"id": 9_007_199_254_740_993_u64}));
+        let back = serde_json::to_value(shown.expect("shown")).expect("JSON");
+        assert_eq!(back["id"].as_f64(), Some(9_007_199_254_740_992.0));
+        let whole = from_value("payload", value(&serde_json::json!({"n": 5}))).expect("JSON");
+        assert_eq!(
+            whole["n"].as_u64(),
+            Some(5),
+            "a whole number comes back whole"
+        );
+    }
 
     #[test]
     fn negative_durations_and_bad_timestamps_name_their_field() {

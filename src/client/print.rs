@@ -11,6 +11,7 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use pbjson_types::Timestamp;
 use serde::Serialize;
 
+use crate::domain::json::whole_numbers_as_integers;
 use crate::pb::{
     BreakerState, Job, JobEvent, JobEventType, JobState, RetryJobResponse, StatsResponse,
     SubmitResponse,
@@ -92,7 +93,8 @@ pub fn json_value<T: Serialize>(
     defaults: &[(&str, serde_json::Value)],
 ) -> Result<serde_json::Value, serde_json::Error> {
     let mut value = serde_json::to_value(message)?;
-    integral_numbers_as_integers(&mut value);
+    // A payload's `1` would print as `1.0`.
+    whole_numbers_as_integers(&mut value);
     if let Some(object) = value.as_object_mut() {
         for (key, default) in defaults {
             object
@@ -101,29 +103,6 @@ pub fn json_value<T: Serialize>(
         }
     }
     Ok(value)
-}
-
-/// `google.protobuf.Value` holds every number as a double, so a payload's
-/// `1` would print as `1.0`; print whole numbers the way they were most
-/// likely written, as other proto3 JSON printers do.
-fn integral_numbers_as_integers(value: &mut serde_json::Value) {
-    // Beyond 2^53 a double no longer holds every integer, so such values
-    // stay as they are.
-    const EXACT: f64 = 9_007_199_254_740_992.0;
-    match value {
-        serde_json::Value::Number(n) => {
-            if let Some(f) = n.as_f64().filter(|_| n.is_f64())
-                && f.fract() == 0.0
-                && f.abs() <= EXACT
-            {
-                // The range check above makes the cast exact.
-                *n = serde_json::Number::from(f as i64);
-            }
-        }
-        serde_json::Value::Array(items) => items.iter_mut().for_each(integral_numbers_as_integers),
-        serde_json::Value::Object(map) => map.values_mut().for_each(integral_numbers_as_integers),
-        _ => {}
-    }
 }
 
 fn labels_text(labels: &std::collections::HashMap<String, String>) -> String {

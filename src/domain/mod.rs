@@ -7,6 +7,7 @@ pub mod breaker;
 #[cfg(test)]
 pub mod fixtures;
 pub mod hash;
+pub mod json;
 pub mod transition;
 pub mod validate;
 pub mod webhook;

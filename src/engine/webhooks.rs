@@ -368,7 +368,7 @@ impl Dispatcher {
             "job": (self.render)(&job),
         });
         let body = Bytes::from(
-            serde_json::to_vec(&body)
+            crate::domain::json::to_vec_whole(&body)
                 .map_err(|e| SendError::Permanent(format!("cannot encode the body: {e}")))?,
         );
         let timestamp = Utc::now().timestamp();

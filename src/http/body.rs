@@ -119,7 +119,8 @@ impl<'de> Visitor<'de> for CountingItems {
     }
 }
 
-/// A JSON answer.
+/// A JSON answer, whole numbers as integers (a payload's `5`, held as a
+/// double by `google.protobuf.Value`, not `5.0`).
 pub fn json<T: Serialize>(status: StatusCode, message: &T) -> Response {
     json_within(status, message, crate::server::MAX_RESPONSE_BYTES)
 }
@@ -127,7 +128,7 @@ pub fn json<T: Serialize>(status: StatusCode, message: &T) -> Response {
 /// [`json`], refused `OUT_OF_RANGE` past `limit` bytes, as the gRPC port
 /// refuses a message past the same limit (a `List` page of large payloads).
 fn json_within<T: Serialize>(status: StatusCode, message: &T, limit: usize) -> Response {
-    match serde_json::to_vec(message) {
+    match crate::domain::json::to_vec_whole(message) {
         Ok(bytes) if bytes.len() > limit => HttpError::Rpc(tonic::Status::out_of_range(format!(
             "the answer is {} bytes, over the {limit} bytes a response may have; ask for a smaller page",
             bytes.len()

@@ -47,7 +47,7 @@ fn resume_point(headers: &HeaderMap, raw: Option<&str>) -> Result<u64, HttpError
 /// One event as SSE: `id:` its sequence, `data:` the `JobEvent` JSON.
 fn to_sse(item: Result<pb::JobEvent, tonic::Status>) -> Event {
     let item = item.map_err(HttpError::from).and_then(|event| {
-        serde_json::to_string(&event)
+        crate::domain::json::to_string_whole(&event)
             .map(|data| (event.sequence, data))
             .map_err(|_| HttpError::Rpc(tonic::Status::internal("internal error")))
     });

@@ -13,6 +13,7 @@ use super::error::JobError;
 use super::heartbeat;
 use super::job::Job;
 use super::runner::Shared;
+use crate::domain::json::numbers_as_doubles;
 use crate::pb;
 use crate::pb::complete_request::{Failure, Outcome, Success};
 
@@ -149,7 +150,10 @@ fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
     format!("the handler panicked: {text}")
 }
 
-fn success(result: serde_json::Value) -> Outcome {
+fn success(mut result: serde_json::Value) -> Outcome {
+    // An integer past 2^53 (an id, say) would be refused whole, failing
+    // finished work for good; it goes as the nearest double.
+    numbers_as_doubles(&mut result);
     match serde_json::from_value::<pbjson_types::Value>(result) {
         Ok(value) => Outcome::Success(Success {
             result: Some(value),

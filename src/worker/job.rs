@@ -3,6 +3,7 @@
 use chrono::{DateTime, Utc};
 
 use super::error::JobError;
+use crate::domain::json::whole_numbers_as_integers;
 use crate::pb;
 
 /// One leased job: what to do and with what.
@@ -31,11 +32,12 @@ impl Job {
     /// The handler's view of a leased job; a payload that is not JSON (it
     /// always is, coming from intray) is a final failure of the attempt.
     pub(crate) fn from_leased(leased: &pb::LeasedJob) -> Result<Job, JobError> {
-        let payload = match &leased.payload {
+        let mut payload = match &leased.payload {
             Some(value) => serde_json::to_value(value)
                 .map_err(|e| JobError::fatal("bad_payload", format!("payload is not JSON: {e}")))?,
             None => serde_json::Value::Null,
         };
+        whole_numbers_as_integers(&mut payload);
         Ok(Job {
             id: leased.job_id.clone(),
             queue: leased.queue.clone(),
@@ -75,7 +77,12 @@ mod tests {
         };
         let job = Job::from_leased(&leased);
         let Ok(job) = job else { panic!("{job:?}") };
-        assert_eq!(job.payload, serde_json::json!({"a": [1.0, "b", null]}));
+        assert_eq!(job.payload, serde_json::json!({"a": [1, "b", null]}));
+        assert_eq!(
+            job.payload["a"][0].as_u64(),
+            Some(1),
+            "a whole number as an integer"
+        );
         assert_eq!(job.deadline.map(|d| d.timestamp()), Some(1_900_000_000));
         assert_eq!(job.lease_expires_at, None);
         let empty = Job::from_leased(&pb::LeasedJob::default());
