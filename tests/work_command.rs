@@ -19,6 +19,8 @@ common::backend_tests!(
     work_success,
     work_exit_75_is_retried,
     work_exit_1_fails_with_stderr_tail,
+    work_a_command_stopped_from_outside_runs_again,
+    work_drains_on_sighup,
     work_cancel_kills_the_child,
     work_result_over_the_limit_fails_clearly,
     work_with_a_command_it_cannot_find_refuses_to_start,
@@ -54,6 +56,14 @@ case "$INTRAY_KIND" in
     sleep 60 &
     echo $! > "$WORK_DIR/$INTRAY_JOB_ID.sleep"
     wait ;;
+  stopped-once)
+    if [ "$INTRAY_ATTEMPT" = 1 ]; then
+      echo $$ > "$WORK_DIR/$INTRAY_JOB_ID.pid"
+      sleep 60 &
+      echo $! > "$WORK_DIR/$INTRAY_JOB_ID.sleep"
+      wait
+    fi
+    echo '"ran again"' ;;
   big)
     head -c 2000000 /dev/zero | tr '\0' 'x' ;;
   finish-on-term)
@@ -266,6 +276,71 @@ async fn work_exit_75_is_retried(backend: Backend) {
         "the retry records the class and stderr: {detail:?}"
     );
     worker.stop().await;
+    server.stop().await;
+}
+
+/// A command killed by SIGTERM from outside the worker (systemd stops a
+/// unit by signalling every process in it at once) is run again at once,
+/// not sent to the dead set as a failure of its job.
+async fn work_a_command_stopped_from_outside_runs_again(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let worker = WorkProcess::start(&server, &[]).await;
+
+    let job = submit(&mut jobs, "shell", "stopped-once", json!({})).await;
+    let shell = read_pid(&worker.path(&format!("{}.pid", job.id))).await;
+    let sleep = read_pid(&worker.path(&format!("{}.sleep", job.id))).await;
+    kill(Pid::from_raw(shell), Signal::SIGTERM).expect("SIGTERM the command");
+    let done = wait_for_state(&mut jobs, &job.id, St::Succeeded, LONG).await;
+    let _ = kill(Pid::from_raw(sleep), Signal::SIGKILL);
+    assert_eq!(done.attempt, 2, "run again after the stop");
+    assert_eq!(
+        done.result.as_ref().map(value_to_json),
+        Some(json!("ran again"))
+    );
+    let events = watch_all(&mut jobs, &job.id, 0, LONG).await;
+    assert!(
+        events
+            .iter()
+            .any(|e| e.r#type == pb::JobEventType::RetryScheduled as i32
+                && e.detail
+                    .as_ref()
+                    .map(|d| serde_json::to_string(d).unwrap_or_default())
+                    .is_some_and(|d| d.contains("command_interrupted"))),
+        "a retry of class command_interrupted: {:?}",
+        event_types(&events)
+    );
+    worker.stop().await;
+    server.stop().await;
+}
+
+/// A closed terminal (SIGHUP) drains the worker as SIGTERM does: by
+/// default it ended the worker at once, and its commands, in process
+/// groups of their own, ran on with nobody watching them.
+async fn work_drains_on_sighup(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let mut worker = WorkProcess::start(&server, &[]).await;
+
+    let job = submit(&mut jobs, "shell", "hang", json!({})).await;
+    let shell = read_pid(&worker.path(&format!("{}.pid", job.id))).await;
+    let sleep = read_pid(&worker.path(&format!("{}.sleep", job.id))).await;
+    let pid = worker.child.id().expect("intray work runs");
+    kill(Pid::from_raw(pid as i32), Signal::SIGHUP).expect("SIGHUP intray work");
+    let status = within(LONG, "intray work to drain", worker.child.wait())
+        .await
+        .expect("wait for intray work");
+    assert!(status.success(), "intray work exited with {status}");
+    assert!(
+        process_gone(shell) && process_gone(sleep),
+        "the command was stopped before the worker left"
+    );
+    let back = get(&mut jobs, &job.id).await;
+    assert_eq!(
+        error_of(&back).0,
+        "worker_shutdown",
+        "handed back for another worker"
+    );
     server.stop().await;
 }
 

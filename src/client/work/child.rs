@@ -19,6 +19,12 @@ use crate::worker::{CancelReason, Job, JobContext, JobError};
 
 /// `EX_TEMPFAIL` from sysexits.h: "try again later".
 pub const EXIT_RETRYABLE: i32 = 75;
+/// Signals that stop a command from outside rather than for a fault of its
+/// job: a service manager stopping the worker's whole group (systemd sends
+/// SIGTERM to every process of the unit at once), a closed terminal, a
+/// Ctrl-C. `intray work`'s own stops are told apart by the job's cancel
+/// reason, which decides the outcome before the exit does.
+const INTERRUPTS: [Signal; 3] = [Signal::SIGHUP, Signal::SIGINT, Signal::SIGTERM];
 /// How much of stderr ends up in a failure's message.
 const STDERR_TAIL_BYTES: usize = 2048;
 /// How long the pipes are read after the command exited.
@@ -346,7 +352,9 @@ async fn tail(mut err: impl AsyncRead + Unpin, keep: usize, stop: CancellationTo
 }
 
 /// Exit 0: stdout is the result (JSON, else a string); 75: retryable
-/// failure; anything else, or a signal: final failure with stderr's tail.
+/// failure; death by an interrupt (or a shell's 128 + its number): a
+/// retryable failure to run again at once; anything else, or another
+/// signal: final failure with stderr's tail.
 fn outcome(
     status: ExitStatus,
     stdout: Captured,
@@ -360,6 +368,18 @@ fn outcome(
             format!("{what}: {stderr}")
         }
     };
+    let interrupted = status
+        .signal()
+        .or_else(|| status.code().map(|code| code - 128))
+        .and_then(|number| Signal::try_from(number).ok())
+        .filter(|signal| INTERRUPTS.contains(signal));
+    if let Some(signal) = interrupted {
+        return Err(JobError::retryable(
+            "command_interrupted",
+            detail(format!("stopped by {signal} from outside the worker")),
+        )
+        .with_retry_after(Duration::ZERO));
+    }
     match status.code() {
         Some(0) => {
             if stdout.total > limit {
@@ -497,6 +517,30 @@ mod tests {
         assert!(e.is_some_and(|e| !e.retryable && e.message == "exit code 1: boom"));
         let e = outcome(ExitStatus::from_raw(9), out(""), "", 100).err();
         assert!(e.is_some_and(|e| !e.retryable && e.message == "killed by signal 9"));
+    }
+
+    /// A command stopped from outside (SIGTERM to a service's whole group,
+    /// a closed terminal) is run again, not sent to the dead set; a shell
+    /// reports such a death as 128 plus the signal's number.
+    #[test]
+    fn an_interrupted_command_is_retried_at_once() {
+        for status in [
+            ExitStatus::from_raw(15),
+            ExitStatus::from_raw(2),
+            ExitStatus::from_raw(1),
+            exit(143),
+            exit(130),
+        ] {
+            let e = outcome(status, out(""), "", 100).err();
+            assert!(
+                e.as_ref().is_some_and(|e| e.retryable
+                    && e.class == "command_interrupted"
+                    && e.retry_after == Some(Duration::ZERO)),
+                "{status:?}: {e:?}"
+            );
+        }
+        let e = outcome(exit(137), out(""), "", 100).err();
+        assert!(e.is_some_and(|e| !e.retryable), "SIGKILL's 137 stays final");
     }
 
     #[test]

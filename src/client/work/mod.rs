@@ -37,7 +37,7 @@ pub struct WorkArgs {
     #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_duration)]
     pub lease_duration: Duration,
 
-    /// On SIGINT/SIGTERM, how long running commands may take to finish before they are stopped.
+    /// On SIGINT, SIGTERM or SIGHUP, how long running commands may take to finish before they are stopped.
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
     pub grace: Duration,
 
@@ -54,13 +54,14 @@ pub struct WorkArgs {
     /// INTRAY_MAX_ATTEMPTS and TRACEPARENT (when the job has one) in its
     /// environment, and not the worker's INTRAY_TOKEN, INTRAY_CLIENT_CERT or
     /// INTRAY_CLIENT_KEY; its stdout (JSON, else a string) is the result; exit 0
-    /// succeeds, 75 is a retryable failure, anything else a final failure
+    /// succeeds, 75 is a retryable failure, death by SIGTERM, SIGINT or
+    /// SIGHUP from outside is retried at once, anything else a final failure
     /// with the tail of stderr as the message.
     #[arg(last = true, required = true, value_name = "CMD")]
     pub command: Vec<String>,
 }
 
-/// Runs the worker until SIGINT or SIGTERM, then drains.
+/// Runs the worker until SIGINT, SIGTERM or SIGHUP, then drains.
 pub async fn run(opts: &ClientOpts, args: WorkArgs) -> Result<(), ClientError> {
     crate::telemetry::init_logging();
     let mut command = args.command.into_iter();
@@ -117,9 +118,11 @@ fn worker_error(error: WorkerError) -> ClientError {
     }
 }
 
-/// Two futures: the first completes on the first SIGINT or SIGTERM (drain:
-/// no more leases, running commands get the grace period), the second on
-/// the next one (stop the running commands now).
+/// Two futures: the first completes on the first SIGINT, SIGTERM or SIGHUP
+/// (drain: no more leases, running commands get the grace period), the
+/// second on the next one (stop the running commands now). SIGHUP too: its
+/// default action would end the worker at once when its terminal closes,
+/// while its commands, in process groups of their own, run on unwatched.
 fn stop_signals() -> (impl Future<Output = ()>, impl Future<Output = ()>) {
     use tokio::signal::unix::{SignalKind, signal};
     let (first_tx, first_rx) = tokio::sync::oneshot::channel::<()>();
@@ -127,10 +130,12 @@ fn stop_signals() -> (impl Future<Output = ()>, impl Future<Output = ()>) {
     // Registered now, before any command runs: without a handler the
     // default action (exit) would apply, leaving the commands behind.
     let streams = signal(SignalKind::interrupt()).and_then(|interrupt| {
-        signal(SignalKind::terminate()).map(|terminate| (interrupt, terminate))
+        let terminate = signal(SignalKind::terminate())?;
+        let hangup = signal(SignalKind::hangup())?;
+        Ok((interrupt, terminate, hangup))
     });
     match streams {
-        Ok((mut interrupt, mut terminate)) => {
+        Ok((mut interrupt, mut terminate, mut hangup)) => {
             tokio::spawn(async move {
                 for (tx, what) in [
                     (
@@ -142,13 +147,14 @@ fn stop_signals() -> (impl Future<Output = ()>, impl Future<Output = ()>) {
                     tokio::select! {
                         _ = interrupt.recv() => {}
                         _ = terminate.recv() => {}
+                        _ = hangup.recv() => {}
                     }
                     tracing::info!("{what}");
                     let _ = tx.send(());
                 }
             });
         }
-        Err(err) => tracing::warn!(error = %err, "cannot listen for SIGINT and SIGTERM"),
+        Err(err) => tracing::warn!(error = %err, "cannot listen for SIGINT, SIGTERM and SIGHUP"),
     }
     // A sender dropped unsent (no handler) means no signal will come.
     let wait = |rx: tokio::sync::oneshot::Receiver<()>| async move {
