@@ -25,6 +25,7 @@ common::backend_tests!(
     a_nul_in_progress_keeps_the_lease,
     an_unreported_outcome_holds_the_next_job_back_a_third_of_a_lease,
     heartbeats_ride_out_a_blip,
+    progress_waits_out_a_failed_heartbeats_backoff,
     a_hung_heartbeat_stops_the_handler_within_its_lease,
     error_then_retry,
     cancellation_reaches_handler_within_one_heartbeat,
@@ -364,6 +365,37 @@ async fn heartbeats_ride_out_a_blip(backend: Backend) {
     assert!(
         beats >= 3,
         "two failed heartbeats, then one that went through: {beats}"
+    );
+    worker.stop(LONG).await.expect("worker stops cleanly");
+    server.stop().await;
+}
+
+/// A handler reporting progress every 50 ms while heartbeats fail makes no
+/// more calls than the backoff allows (200 ms doubling, with jitter: about
+/// six in three seconds), not one per 200 ms progress spacing (fifteen).
+async fn progress_waits_out_a_failed_heartbeats_backoff(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let job = submit(&mut jobs, "q", "chatty", json!({})).await;
+    let (addr, calls) = proxy::start(&server, TENANT, Fault::HeartbeatsUnavailable(1000)).await;
+    let chatty = |_: Job, ctx: JobContext| async move {
+        for i in 0..60 {
+            ctx.report_progress(f64::from(i) / 60.0, format!("token {i}"));
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(json!("done"))
+    };
+    let worker = Running::start(
+        builder_at(&format!("http://{addr}"))
+            .queue("q")
+            .lease_duration(Duration::from_secs(30))
+            .handler("chatty", chatty),
+    );
+    wait_for_state(&mut jobs, &job.id, St::Succeeded, LONG).await;
+    let beats = calls.heartbeats();
+    assert!(
+        (1..=9).contains(&beats),
+        "heartbeats while every one failed: {beats}"
     );
     worker.stop(LONG).await.expect("worker stops cleanly");
     server.stop().await;

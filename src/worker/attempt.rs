@@ -326,7 +326,7 @@ async fn complete(
             {
                 // The last try comes at the limit, not a backoff past it.
                 let delay = retry
-                    .next_delay()
+                    .next_delay_after(&status)
                     .min(give_up.saturating_duration_since(Instant::now()));
                 tracing::warn!(job_id = %leased.job_id, code = ?status.code(), message = status.message(), retry_in = ?delay, "complete failed; retrying");
                 tokio::select! {

@@ -30,6 +30,13 @@ impl Backoff {
         half + half.mul_f64(rand::random::<f64>())
     }
 
+    /// [`Self::next_delay`], but no shorter than the delay the server
+    /// asked for in a `google.rpc.RetryInfo` (a rate limit, a full queue).
+    pub(crate) fn next_delay_after(&mut self, status: &tonic::Status) -> Duration {
+        let own = self.next_delay();
+        server_delay(status).map_or(own, |asked| own.max(asked))
+    }
+
     /// Consecutive failures so far.
     pub(crate) fn failures(&self) -> u32 {
         self.failures
@@ -41,9 +48,31 @@ impl Backoff {
     }
 }
 
+/// The delay a status's `google.rpc.RetryInfo` asks for, if it has one.
+fn server_delay(status: &tonic::Status) -> Option<Duration> {
+    use tonic_types::StatusExt;
+    let delay = status.get_details_retry_info()?.retry_delay?;
+    // At most a minute: a worker should not sleep for an hour on one answer.
+    Some(delay.min(Duration::from_secs(60)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_retry_info_delay_is_waited_out() {
+        use tonic_types::{ErrorDetails, StatusExt};
+        let limited = tonic::Status::with_error_details(
+            tonic::Code::ResourceExhausted,
+            "over the rate",
+            ErrorDetails::with_retry_info(Some(Duration::from_secs(3))),
+        );
+        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_secs(30));
+        assert_eq!(b.next_delay_after(&limited), Duration::from_secs(3));
+        let plain = tonic::Status::unavailable("down");
+        assert!(b.next_delay_after(&plain) < Duration::from_secs(1));
+    }
 
     #[test]
     fn grows_within_half_and_full_cap_then_stays_capped() {

@@ -148,6 +148,16 @@ impl JobContext {
             .take()
     }
 
+    /// Puts back the progress a failed heartbeat carried, unless the
+    /// handler reported newer progress since; the retry carries it.
+    pub(crate) fn restore_progress(&self, progress: (f64, String)) {
+        self.inner
+            .progress
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_or_insert(progress);
+    }
+
     pub(crate) async fn progress_reported(&self) {
         self.inner.progress_reported.notified().await;
     }

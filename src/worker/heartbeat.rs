@@ -44,11 +44,15 @@ pub(crate) async fn keep_alive(
     let mut next = received + config.heartbeat_interval;
     let mut last_sent = Instant::now();
     let mut retry = Backoff::new(Duration::from_millis(200), config.heartbeat_interval);
+    // After a failed heartbeat, not before its retry is due: a handler
+    // reporting progress per token would otherwise call a server that is
+    // down (or limiting its rate) five times a second per job.
+    let mut backoff_until = Instant::now();
     loop {
         tokio::select! {
             () = tokio::time::sleep_until(next) => {}
             () = ctx.progress_reported() => {
-                tokio::time::sleep_until(last_sent + MIN_SPACING).await;
+                tokio::time::sleep_until((last_sent + MIN_SPACING).max(backoff_until)).await;
             }
         }
         let progress = ctx.take_progress();
@@ -57,7 +61,7 @@ pub(crate) async fn keep_alive(
             lease_token: leased.lease_token.clone(),
             extend_by: None,
             progress: progress.as_ref().map(|(p, _)| *p),
-            message: progress.map(|(_, m)| m).unwrap_or_default(),
+            message: progress.clone().map(|(_, m)| m).unwrap_or_default(),
         });
         let sent_at = Instant::now();
         let left = held_until.saturating_duration_since(sent_at);
@@ -85,8 +89,11 @@ pub(crate) async fn keep_alive(
                 return;
             }
             Err(status) => {
+                if let Some(progress) = progress {
+                    ctx.restore_progress(progress);
+                }
                 let now = Instant::now();
-                let delay = retry.next_delay();
+                let delay = retry.next_delay_after(&status);
                 tracing::warn!(job_id = %leased.job_id, code = ?status.code(), message = status.message(), retry_in = ?delay, "heartbeat failed");
                 // The last try leaves a tenth of the lease for its answer;
                 // after it, only the lease's end is left to wait for (then
@@ -97,6 +104,7 @@ pub(crate) async fn keep_alive(
                 } else {
                     (now + delay).min(last_try)
                 };
+                backoff_until = next;
             }
         }
     }

@@ -52,7 +52,9 @@
 //! - **Reconnects.** The channel connects lazily and re-dials on its own;
 //!   `Lease` failures other than a refusal of the worker itself back off
 //!   exponentially (100 ms doubling to 30 s, with jitter). `Heartbeat` and
-//!   `Complete` retry on `UNAVAILABLE` too.
+//!   `Complete` retry on `UNAVAILABLE` too. Every retry waits at least the
+//!   delay of a `google.rpc.RetryInfo` the server sent (at most a minute),
+//!   and progress reports do not hurry a failed heartbeat's retry.
 //! - **Trace context.** [`JobContext::traceparent`] carries the
 //!   `LeasedJob.traceparent` (empty until the server sends one).
 //!

@@ -188,7 +188,7 @@ impl Worker {
                     break Err(WorkerError::Refused(Box::new(status)));
                 }
                 Err(status) => {
-                    let delay = reconnect.next_delay();
+                    let delay = reconnect.next_delay_after(&status);
                     tracing::warn!(
                         code = ?status.code(),
                         message = status.message(),
