@@ -21,6 +21,7 @@ common::backend_tests!(
     work_exit_1_fails_with_stderr_tail,
     work_a_command_stopped_from_outside_runs_again,
     work_drains_on_sighup,
+    work_started_under_nohup_keeps_running_on_sighup,
     work_cancel_kills_the_child,
     work_result_over_the_limit_fails_clearly,
     work_with_a_command_it_cannot_find_refuses_to_start,
@@ -101,16 +102,16 @@ impl WorkProcess {
         )
     }
 
-    /// As [`Self::start`], with SIGCHLD ignored, as a supervisor might
-    /// leave it: `intray work` inherits that across exec.
-    async fn start_ignoring_sigchld(server: &TestServer, extra: &[&str]) -> WorkProcess {
+    /// As [`Self::start`], with `ignored` ignored, as a supervisor (or
+    /// `nohup`) might leave it: `intray work` inherits that across exec.
+    async fn start_ignoring(server: &TestServer, ignored: Signal, extra: &[&str]) -> WorkProcess {
         use nix::sys::signal::{SigHandler, signal};
         let mut command = Command::new(env!("CARGO_BIN_EXE_intray"));
         // SAFETY: between fork and exec the child only calls sigaction,
         // which is async-signal-safe; SIG_IGN installs no handler.
         unsafe {
-            command.pre_exec(|| {
-                signal(Signal::SIGCHLD, SigHandler::SigIgn)
+            command.pre_exec(move || {
+                signal(ignored, SigHandler::SigIgn)
                     .map(drop)
                     .map_err(std::io::Error::from)
             });
@@ -344,6 +345,28 @@ async fn work_drains_on_sighup(backend: Backend) {
     server.stop().await;
 }
 
+/// Started with SIGHUP ignored (`nohup`), a closed terminal stops nothing:
+/// the worker goes on leasing, as its starter asked.
+async fn work_started_under_nohup_keeps_running_on_sighup(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let mut worker = WorkProcess::start_ignoring(&server, Signal::SIGHUP, &[]).await;
+    let pid = worker.child.id().expect("intray work runs");
+    let first = submit(&mut jobs, "shell", "text", json!(null)).await;
+    wait_for_state(&mut jobs, &first.id, St::Succeeded, LONG).await;
+    kill(Pid::from_raw(pid as i32), Signal::SIGHUP).expect("SIGHUP intray work");
+    // Time for a drain to end a parked lease, were one started.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let after = submit(&mut jobs, "shell", "text", json!(null)).await;
+    wait_for_state(&mut jobs, &after.id, St::Succeeded, LONG).await;
+    assert!(
+        worker.child.try_wait().expect("poll intray work").is_none(),
+        "intray work still runs"
+    );
+    worker.stop().await;
+    server.stop().await;
+}
+
 async fn work_exit_1_fails_with_stderr_tail(backend: Backend) {
     let server = TestServer::start(backend).await;
     let mut jobs = server.jobs_client(TENANT);
@@ -372,7 +395,7 @@ async fn work_exit_1_fails_with_stderr_tail(backend: Backend) {
 async fn work_started_with_sigchld_ignored_still_reads_exit_codes(backend: Backend) {
     let server = TestServer::start(backend).await;
     let mut jobs = server.jobs_client(TENANT);
-    let worker = WorkProcess::start_ignoring_sigchld(&server, &[]).await;
+    let worker = WorkProcess::start_ignoring(&server, Signal::SIGCHLD, &[]).await;
 
     let ok = submit(&mut jobs, "shell", "text", json!(null)).await;
     let failed = submit(&mut jobs, "shell", "fail", json!({})).await;

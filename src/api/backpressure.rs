@@ -16,7 +16,7 @@
 //! as the queue nears the bound.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -41,24 +41,57 @@ struct Depth {
     admitted: u64,
     /// When it was counted.
     at: Instant,
+    /// Which count this is: one made since a slot was taken leaves out
+    /// that slot's job if it was not stored.
+    count: u64,
 }
 
-/// A job's place in its queue's depth, taken by [`QueueDepths::admit`]:
-/// given back when the store stored nothing for it (a repeat of an
-/// accepted submit, a refused item), so that it does not count against the
-/// bound until the next count.
-#[derive(Clone, Copy, Debug)]
-#[must_use = "a slot for a job not stored is given back"]
+/// The figures of every queue, shared with the slots taken from them.
+type Counted = Arc<Mutex<HashMap<(String, String), Depth>>>;
+
+/// A job's place in its queue's depth, taken by [`QueueDepths::admit`]. It
+/// is given back when dropped unless [`Slot::keep`] says its job was
+/// stored: a repeat of an accepted submit, a refused item, or a call whose
+/// caller went away before its transaction must not count against the
+/// bound until the next count. (A caller that goes away while its
+/// transaction commits the job gives its slot back too; the next count
+/// puts the job back in the figure.)
+#[derive(Debug)]
 pub struct Slot {
-    /// The count the slot was added to: a count made since already leaves
-    /// out what was not stored.
-    counted_at: Instant,
+    counted: Counted,
+    key: (String, String),
+    count: u64,
+    kept: bool,
+}
+
+impl Slot {
+    /// The job was stored: the slot stays taken.
+    pub fn keep(mut self) {
+        self.kept = true;
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if self.kept {
+            return;
+        }
+        let mut counted = self.counted.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(depth) = counted.get_mut(&self.key)
+            && depth.count == self.count
+        {
+            depth.queued = depth.queued.saturating_sub(1);
+            depth.admitted = depth.admitted.saturating_sub(1);
+        }
+    }
 }
 
 /// Per-replica view of queue depths.
 pub struct QueueDepths {
     bound: u64,
-    counted: Mutex<HashMap<(String, String), Depth>>,
+    counted: Counted,
+    /// The last count's number ([`Depth::count`]).
+    counts: std::sync::atomic::AtomicU64,
 }
 
 impl QueueDepths {
@@ -66,7 +99,8 @@ impl QueueDepths {
     pub fn new(bound: u64) -> Self {
         QueueDepths {
             bound,
-            counted: Mutex::new(HashMap::new()),
+            counted: Arc::new(Mutex::new(HashMap::new())),
+            counts: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -103,7 +137,8 @@ impl QueueDepths {
         true
     }
 
-    /// Admits one more job into `queue`, or refuses it when the queue is full.
+    /// Admits one more job into `queue`, or refuses it when the queue is
+    /// full. The slot is given back when dropped unless it is kept.
     pub async fn admit(
         &self,
         store: &dyn Store,
@@ -114,6 +149,7 @@ impl QueueDepths {
         let now = Instant::now();
         if self.claim_recount(&key, now) {
             let queued = store.queued_count(tenant, queue).await?;
+            let count = self.next_count();
             let mut counted = self.counted.lock().unwrap_or_else(|e| e.into_inner());
             counted.insert(
                 key.clone(),
@@ -121,14 +157,16 @@ impl QueueDepths {
                     queued,
                     admitted: 0,
                     at: now,
+                    count,
                 },
             );
         }
         let mut counted = self.counted.lock().unwrap_or_else(|e| e.into_inner());
-        let depth = counted.entry(key).or_insert(Depth {
+        let depth = counted.entry(key.clone()).or_insert_with(|| Depth {
             queued: 0,
             admitted: 0,
             at: now,
+            count: self.next_count(),
         });
         if depth.queued >= self.bound {
             return Err(ApiError::QueueFull {
@@ -140,31 +178,62 @@ impl QueueDepths {
         depth.queued += 1;
         depth.admitted += 1;
         Ok(Slot {
-            counted_at: depth.at,
+            counted: Arc::clone(&self.counted),
+            key,
+            count: depth.count,
+            kept: false,
         })
     }
 
-    /// Gives back the slot of a job the store did not store.
-    pub fn give_back(&self, tenant: &str, queue: &str, slot: Slot) {
-        let mut counted = self.counted.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(depth) = counted.get_mut(&(tenant.to_owned(), queue.to_owned()))
-            && depth.at == slot.counted_at
-        {
-            depth.queued = depth.queued.saturating_sub(1);
-            depth.admitted = depth.admitted.saturating_sub(1);
-        }
+    fn next_count(&self) -> u64 {
+        self.counts
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            .wrapping_add(1)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Settings;
+    use crate::engine::notifier::Notifier;
+    use crate::store::sqlite::SqliteStore;
+
+    /// A slot dropped unkept (nothing stored, or the caller gone) frees
+    /// its room; a kept one holds it; a slot from before a recount takes
+    /// nothing off the new figure, which never counted it.
+    #[tokio::test]
+    async fn a_slot_is_given_back_unless_kept_and_only_to_its_count() {
+        let dir = tempfile::tempdir().expect("dir");
+        let url = format!("sqlite://{}", dir.path().join("jobs.db").display());
+        let store = SqliteStore::open(&Settings::new(&url), Arc::new(Notifier::new()))
+            .await
+            .expect("open");
+        let depths = QueueDepths::new(2);
+        let admit = || depths.admit(&store, "t", "q");
+        let full = |res: &Result<Slot, ApiError>| matches!(res, Err(ApiError::QueueFull { .. }));
+
+        drop(admit().await.expect("room"));
+        admit().await.expect("room").keep();
+        let old = admit().await.expect("the room the dropped slot gave back");
+        assert!(full(&admit().await), "two slots taken");
+        // At half the bound a count is trusted for a second: the next
+        // admit counts the queue again, and finds nothing stored.
+        tokio::time::sleep(REFRESH + Duration::from_millis(100)).await;
+        let fresh = admit().await.expect("room after the count");
+        drop(old);
+        let last = admit().await;
+        assert!(!full(&last), "one slot of the new count taken: {last:?}");
+        assert!(full(&admit().await), "the new count's two slots taken");
+        drop((fresh, last));
+    }
 
     fn depth(queued: u64, admitted: u64, at: Instant) -> Depth {
         Depth {
             queued,
             admitted,
             at,
+            count: 0,
         }
     }
 

@@ -222,13 +222,12 @@ impl JobService for JobsApi {
             Admitted::Slot(slot) => Some(slot),
             Admitted::Repeat => None,
         };
-        let queue = new.queue.clone();
-        let submitted = self.ctx.batchers.submit(&tenant, new).await;
-        let created = matches!(&submitted, Ok(Ok(s)) if s.created);
-        if let (false, Some(slot)) = (created, slot) {
-            self.depths.give_back(&tenant, &queue, slot);
+        // Dropped unkept (nothing stored, or this call gone before the
+        // answer), the slot is given back.
+        let submitted = self.ctx.batchers.submit(&tenant, new).await??;
+        if let (true, Some(slot)) = (submitted.created, slot) {
+            slot.keep();
         }
-        let submitted = submitted??;
         if submitted.created {
             self.ctx.observer.submitted(&submitted.job);
         }
@@ -253,8 +252,9 @@ impl JobService for JobsApi {
         let mut answers: Vec<Option<pb::submit_batch_result::Result>> =
             Vec::with_capacity(jobs.len());
         let mut valid = Vec::new();
-        // Each valid item's queue and slot (none for a repeated key).
-        let mut slots: Vec<(String, Option<Slot>)> = Vec::new();
+        // Each valid item's slot (none for a repeated key), given back when
+        // dropped unkept: its item stored nothing, or this call went away.
+        let mut slots: Vec<Option<Slot>> = Vec::new();
         let mut admitted_keys = HashSet::new();
         for (i, job) in jobs.into_iter().enumerate() {
             let admitted = match self.validate_submit(job, false) {
@@ -269,12 +269,12 @@ impl JobService for JobsApi {
                     if let Some(key) = &new.idempotency_key {
                         admitted_keys.insert(key.clone());
                     }
-                    slots.push((new.queue.clone(), Some(slot)));
+                    slots.push(Some(slot));
                     valid.push(new);
                     answers.push(None);
                 }
                 Ok((new, Admitted::Repeat)) => {
-                    slots.push((new.queue.clone(), None));
+                    slots.push(None);
                     valid.push(new);
                     answers.push(None);
                 }
@@ -300,18 +300,17 @@ impl JobService for JobsApi {
         // Nothing to store is nothing to ask the database (or, on SQLite,
         // its writer lock) for: the answers are all in already.
         let stored = if valid.is_empty() {
-            Ok(Vec::new())
+            Vec::new()
         } else {
-            self.ctx.batchers.submit_batch(&tenant, valid).await
+            self.ctx.batchers.submit_batch(&tenant, valid).await?
         };
-        for (i, (queue, slot)) in slots.into_iter().enumerate() {
-            let created =
-                matches!(&stored, Ok(items) if matches!(items.get(i), Some(Ok(s)) if s.created));
-            if let (false, Some(slot)) = (created, slot) {
-                self.depths.give_back(&tenant, &queue, slot);
+        for (slot, item) in slots.into_iter().zip(&stored) {
+            if let (Some(slot), Ok(submitted)) = (slot, item)
+                && submitted.created
+            {
+                slot.keep();
             }
         }
-        let stored = stored?;
         for submitted in stored.iter().flatten() {
             if submitted.created {
                 self.ctx.observer.submitted(&submitted.job);

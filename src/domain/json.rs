@@ -23,8 +23,7 @@ pub fn whole_numbers_as_integers(value: &mut Value) {
     match value {
         Value::Number(n) => {
             if let Some(f) = n.as_f64().filter(|_| n.is_f64())
-                && f.fract() == 0.0
-                && f.abs() < EXACT
+                && is_whole(f)
             {
                 // The range check above makes the cast exact.
                 *n = Number::from(f as i64);
@@ -34,6 +33,13 @@ pub fn whole_numbers_as_integers(value: &mut Value) {
         Value::Object(map) => map.values_mut().for_each(whole_numbers_as_integers),
         _ => {}
     }
+}
+
+/// Whether `f` is written as an integer: whole and under 2^53, but not
+/// -0.0, whose sign an integer would lose (and with it the idempotency
+/// hash a payload holding it had).
+fn is_whole(f: f64) -> bool {
+    f.fract() == 0.0 && f.abs() < EXACT && (f != 0.0 || f.is_sign_positive())
 }
 
 /// Turns every number into the double a `Value` will hold: an integer a
@@ -80,7 +86,7 @@ struct WholeNumbers;
 
 impl Formatter for WholeNumbers {
     fn write_f64<W: ?Sized + io::Write>(&mut self, writer: &mut W, value: f64) -> io::Result<()> {
-        if value.fract() == 0.0 && value.abs() < EXACT {
+        if is_whole(value) {
             // The range check above makes the cast exact.
             CompactFormatter.write_i64(writer, value as i64)
         } else {
@@ -104,6 +110,14 @@ mod tests {
             json!({"n": 5, "list": [1, -2, 2.5], "big": 1e300, "s": "5.0"})
         );
         assert_eq!(value["n"].as_u64(), Some(5));
+        let mut zeros = json!([0.0, -0.0]);
+        whole_numbers_as_integers(&mut zeros);
+        assert_eq!(zeros[0], json!(0));
+        assert!(
+            zeros[1]
+                .as_f64()
+                .is_some_and(|z| z == 0.0 && z.is_sign_negative())
+        );
         let mut edge = json!([9_007_199_254_740_991.0, 9_007_199_254_740_992.0]);
         whole_numbers_as_integers(&mut edge);
         assert_eq!(

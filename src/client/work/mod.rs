@@ -55,7 +55,8 @@ pub struct WorkArgs {
     /// environment, and not the worker's INTRAY_TOKEN, INTRAY_CLIENT_CERT or
     /// INTRAY_CLIENT_KEY; its stdout (JSON, else a string) is the result; exit 0
     /// succeeds, 75 is a retryable failure, death by SIGTERM, SIGINT or
-    /// SIGHUP from outside is retried at once, anything else a final failure
+    /// SIGHUP from outside is retried at once while attempts remain,
+    /// anything else a final failure
     /// with the tail of stderr as the message.
     #[arg(last = true, required = true, value_name = "CMD")]
     pub command: Vec<String>,
@@ -131,7 +132,12 @@ fn stop_signals() -> (impl Future<Output = ()>, impl Future<Output = ()>) {
     // default action (exit) would apply, leaving the commands behind.
     let streams = signal(SignalKind::interrupt()).and_then(|interrupt| {
         let terminate = signal(SignalKind::terminate())?;
-        let hangup = signal(SignalKind::hangup())?;
+        // Started under `nohup`, a closed terminal must not stop it.
+        let hangup = if hangup_ignored() {
+            None
+        } else {
+            Some(signal(SignalKind::hangup())?)
+        };
         Ok((interrupt, terminate, hangup))
     });
     match streams {
@@ -144,10 +150,16 @@ fn stop_signals() -> (impl Future<Output = ()>, impl Future<Output = ()>) {
                     ),
                     (second_tx, "told again: stopping running commands now"),
                 ] {
+                    let hungup = async {
+                        match hangup.as_mut() {
+                            Some(hangup) => hangup.recv().await,
+                            None => std::future::pending().await,
+                        }
+                    };
                     tokio::select! {
                         _ = interrupt.recv() => {}
                         _ = terminate.recv() => {}
-                        _ = hangup.recv() => {}
+                        _ = hungup => {}
                     }
                     tracing::info!("{what}");
                     let _ = tx.send(());
@@ -163,4 +175,16 @@ fn stop_signals() -> (impl Future<Output = ()>, impl Future<Output = ()>) {
         }
     };
     (wait(first_rx), wait(second_rx))
+}
+
+/// Whether whoever started the worker left SIGHUP ignored (`nohup`).
+fn hangup_ignored() -> bool {
+    use nix::libc;
+    let mut old = std::mem::MaybeUninit::<libc::sigaction>::zeroed();
+    // SAFETY: with a null new action, sigaction only writes the current
+    // one into `old`, valid memory for a `sigaction`.
+    let rc = unsafe { libc::sigaction(libc::SIGHUP, std::ptr::null(), old.as_mut_ptr()) };
+    // SAFETY: zeroed, then filled in by sigaction: a valid plain C struct.
+    let old = unsafe { old.assume_init() };
+    rc == 0 && old.sa_sigaction == libc::SIG_IGN
 }
