@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use intray::pb::{self, JobState as St};
-use nix::sys::signal::{Signal, kill};
+use nix::sys::signal::{SigHandler, Signal, kill};
 use nix::unistd::Pid;
 use serde_json::json;
 use tokio::process::{Child, Command};
@@ -102,16 +102,22 @@ impl WorkProcess {
         )
     }
 
-    /// As [`Self::start`], with `ignored` ignored, as a supervisor (or
-    /// `nohup`) might leave it: `intray work` inherits that across exec.
-    async fn start_ignoring(server: &TestServer, ignored: Signal, extra: &[&str]) -> WorkProcess {
-        use nix::sys::signal::{SigHandler, signal};
+    /// As [`Self::start`], with `signal` ignored (`SigIgn`, as a
+    /// supervisor or `nohup` might leave it) or at its default (`SigDfl`,
+    /// whatever the test runner left): `intray work` inherits that across
+    /// exec.
+    async fn start_with_signal(
+        server: &TestServer,
+        signal: Signal,
+        disposition: SigHandler,
+        extra: &[&str],
+    ) -> WorkProcess {
         let mut command = Command::new(env!("CARGO_BIN_EXE_intray"));
         // SAFETY: between fork and exec the child only calls sigaction,
-        // which is async-signal-safe; SIG_IGN installs no handler.
+        // which is async-signal-safe; SIG_IGN and SIG_DFL install no handler.
         unsafe {
             command.pre_exec(move || {
-                signal(ignored, SigHandler::SigIgn)
+                nix::sys::signal::signal(signal, disposition)
                     .map(drop)
                     .map_err(std::io::Error::from)
             });
@@ -321,7 +327,10 @@ async fn work_a_command_stopped_from_outside_runs_again(backend: Backend) {
 async fn work_drains_on_sighup(backend: Backend) {
     let server = TestServer::start(backend).await;
     let mut jobs = server.jobs_client(TENANT);
-    let mut worker = WorkProcess::start(&server, &[]).await;
+    // At its default whatever the test runs under (a CI job started with
+    // `nohup` leaves it ignored, and the worker then rightly keeps on).
+    let mut worker =
+        WorkProcess::start_with_signal(&server, Signal::SIGHUP, SigHandler::SigDfl, &[]).await;
 
     let job = submit(&mut jobs, "shell", "hang", json!({})).await;
     let shell = read_pid(&worker.path(&format!("{}.pid", job.id))).await;
@@ -350,7 +359,8 @@ async fn work_drains_on_sighup(backend: Backend) {
 async fn work_started_under_nohup_keeps_running_on_sighup(backend: Backend) {
     let server = TestServer::start(backend).await;
     let mut jobs = server.jobs_client(TENANT);
-    let mut worker = WorkProcess::start_ignoring(&server, Signal::SIGHUP, &[]).await;
+    let mut worker =
+        WorkProcess::start_with_signal(&server, Signal::SIGHUP, SigHandler::SigIgn, &[]).await;
     let pid = worker.child.id().expect("intray work runs");
     let first = submit(&mut jobs, "shell", "text", json!(null)).await;
     wait_for_state(&mut jobs, &first.id, St::Succeeded, LONG).await;
@@ -395,7 +405,8 @@ async fn work_exit_1_fails_with_stderr_tail(backend: Backend) {
 async fn work_started_with_sigchld_ignored_still_reads_exit_codes(backend: Backend) {
     let server = TestServer::start(backend).await;
     let mut jobs = server.jobs_client(TENANT);
-    let worker = WorkProcess::start_ignoring(&server, Signal::SIGCHLD, &[]).await;
+    let worker =
+        WorkProcess::start_with_signal(&server, Signal::SIGCHLD, SigHandler::SigIgn, &[]).await;
 
     let ok = submit(&mut jobs, "shell", "text", json!(null)).await;
     let failed = submit(&mut jobs, "shell", "fail", json!({})).await;
