@@ -157,6 +157,14 @@ impl WorkProcess {
         self.dir.path().join(name)
     }
 
+    /// The shell running `job`'s command and the `sleep` it started, once
+    /// the script has written both pids.
+    async fn command_pids(&self, job: &pb::Job) -> (i32, i32) {
+        let shell = read_pid(&self.path(&format!("{}.pid", job.id))).await;
+        let sleep = read_pid(&self.path(&format!("{}.sleep", job.id))).await;
+        (shell, sleep)
+    }
+
     /// SIGTERM, then the drain must end with exit status 0.
     async fn stop(mut self) {
         if let Some(pid) = self.child.id() {
@@ -295,8 +303,7 @@ async fn work_a_command_stopped_from_outside_runs_again(backend: Backend) {
     let worker = WorkProcess::start(&server, &[]).await;
 
     let job = submit(&mut jobs, "shell", "stopped-once", json!({})).await;
-    let shell = read_pid(&worker.path(&format!("{}.pid", job.id))).await;
-    let sleep = read_pid(&worker.path(&format!("{}.sleep", job.id))).await;
+    let (shell, sleep) = worker.command_pids(&job).await;
     kill(Pid::from_raw(shell), Signal::SIGTERM).expect("SIGTERM the command");
     let done = wait_for_state(&mut jobs, &job.id, St::Succeeded, LONG).await;
     let _ = kill(Pid::from_raw(sleep), Signal::SIGKILL);
@@ -333,8 +340,7 @@ async fn work_drains_on_sighup(backend: Backend) {
         WorkProcess::start_with_signal(&server, Signal::SIGHUP, SigHandler::SigDfl, &[]).await;
 
     let job = submit(&mut jobs, "shell", "hang", json!({})).await;
-    let shell = read_pid(&worker.path(&format!("{}.pid", job.id))).await;
-    let sleep = read_pid(&worker.path(&format!("{}.sleep", job.id))).await;
+    let (shell, sleep) = worker.command_pids(&job).await;
     let pid = worker.child.id().expect("intray work runs");
     kill(Pid::from_raw(pid as i32), Signal::SIGHUP).expect("SIGHUP intray work");
     let status = within(LONG, "intray work to drain", worker.child.wait())
@@ -456,8 +462,7 @@ async fn work_cancel_kills_the_child(backend: Backend) {
     let worker = WorkProcess::start(&server, &[]).await;
 
     let job = submit(&mut jobs, "shell", "hang", json!({})).await;
-    let shell = read_pid(&worker.path(&format!("{}.pid", job.id))).await;
-    let sleep = read_pid(&worker.path(&format!("{}.sleep", job.id))).await;
+    let (shell, sleep) = worker.command_pids(&job).await;
     assert!(
         !process_gone(shell) && !process_gone(sleep),
         "the command runs"

@@ -9,24 +9,25 @@ use std::collections::{HashMap, HashSet};
 use crate::domain::validate::ValidationError;
 use crate::pb;
 
-/// The `(name, value)` pairs of a query string, percent-decoded.
-fn pairs(query: Option<&str>) -> Vec<(String, String)> {
-    form_urlencoded::parse(query.unwrap_or_default().as_bytes())
-        .map(|(k, v)| (k.into_owned(), v.into_owned()))
-        .collect()
-}
-
-/// Refuses a second value for a parameter that takes one: which of them
+/// The `(name, value)` pairs of a query string, percent-decoded. A second
+/// value for a parameter not in `repeatable` is refused: which of them
 /// applied would be a guess.
-fn first_time(seen: &mut HashSet<String>, name: &str) -> Result<(), ValidationError> {
-    if seen.insert(name.to_owned()) {
-        Ok(())
-    } else {
-        Err(ValidationError::new(
-            name,
-            "given twice; it takes one value",
-        ))
+fn pairs(
+    query: Option<&str>,
+    repeatable: &[&str],
+) -> Result<Vec<(String, String)>, ValidationError> {
+    let mut seen = HashSet::new();
+    let mut pairs = Vec::new();
+    for (name, value) in form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
+        if !repeatable.contains(&name.as_ref()) && !seen.insert(name.clone()) {
+            return Err(ValidationError::new(
+                name,
+                "given twice; it takes one value",
+            ));
+        }
+        pairs.push((name.into_owned(), value.into_owned()));
     }
+    Ok(pairs)
 }
 
 /// A job state written as `FAILED`, `failed` or `JOB_STATE_FAILED`.
@@ -53,11 +54,7 @@ pub fn job_state(field: &str, text: &str) -> Result<pb::JobState, ValidationErro
 pub fn list(query: Option<&str>) -> Result<pb::ListJobsRequest, ValidationError> {
     let mut request = pb::ListJobsRequest::default();
     let mut labels = HashMap::new();
-    let mut seen = HashSet::new();
-    for (name, value) in pairs(query) {
-        if !matches!(name.as_str(), "state" | "label") {
-            first_time(&mut seen, &name)?;
-        }
+    for (name, value) in pairs(query, &["state", "label"])? {
         match name.as_str() {
             "queue" => request.queue = value,
             "kind" => request.kind = value,
@@ -97,11 +94,7 @@ pub fn list(query: Option<&str>) -> Result<pb::ListJobsRequest, ValidationError>
 /// filter, the dead set (failed jobs) without `state`.
 pub fn dead_set(query: Option<&str>) -> Result<pb::RetryFilter, ValidationError> {
     let mut filter = pb::RetryFilter::default();
-    let mut seen = HashSet::new();
-    for (name, value) in pairs(query) {
-        if name != "state" {
-            first_time(&mut seen, &name)?;
-        }
+    for (name, value) in pairs(query, &["state"])? {
         match name.as_str() {
             "queue" => filter.queue = value,
             "kind" => filter.kind = value,
@@ -120,9 +113,7 @@ pub fn dead_set(query: Option<&str>) -> Result<pb::RetryFilter, ValidationError>
 /// `GET /api/v1/stats?queue=`.
 pub fn stats(query: Option<&str>) -> Result<pb::StatsRequest, ValidationError> {
     let mut request = pb::StatsRequest::default();
-    let mut seen = HashSet::new();
-    for (name, value) in pairs(query) {
-        first_time(&mut seen, &name)?;
+    for (name, value) in pairs(query, &[])? {
         match name.as_str() {
             "queue" => request.queue = value,
             other => return Err(unknown(other)),
@@ -135,7 +126,7 @@ pub fn stats(query: Option<&str>) -> Result<pb::StatsRequest, ValidationError> {
 /// when no `Last-Event-ID` says so.
 pub fn after_sequence(query: Option<&str>) -> Result<Option<u64>, ValidationError> {
     let mut after = None;
-    for (name, value) in pairs(query) {
+    for (name, value) in pairs(query, &[])? {
         match name.as_str() {
             "after_sequence" => after = Some(sequence("after_sequence", &value)?),
             other => return Err(unknown(other)),
@@ -237,5 +228,11 @@ mod tests {
             Some(3)
         );
         assert!(after_sequence(Some("after_sequence=-1")).is_err());
+        assert_eq!(
+            after_sequence(Some("after_sequence=3&after_sequence=9"))
+                .expect_err("twice")
+                .field,
+            "after_sequence"
+        );
     }
 }

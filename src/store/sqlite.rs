@@ -106,6 +106,14 @@ async fn stable_plans(conn: &mut SqliteConnection) -> Result<(), sqlx::Error> {
     Ok(())
 }
 
+/// A pool of at most `max_connections` whose every connection prepares a
+/// statement once ([`stable_plans`]).
+fn pool_options(max_connections: u32) -> SqlitePoolOptions {
+    SqlitePoolOptions::new()
+        .max_connections(max_connections)
+        .after_connect(|conn, _| Box::pin(stable_plans(conn)))
+}
+
 /// Applies the SQLite migrations (creating the file if needed).
 pub async fn migrate(url: &str, strict: bool) -> StoreResult<()> {
     let pool = SqlitePoolOptions::new()
@@ -392,10 +400,8 @@ impl SqliteStore {
     /// Opens (or creates) the file and migrates it.
     pub async fn open(settings: &Settings, notifier: Arc<Notifier>) -> StoreResult<SqliteStore> {
         let options = options(&settings.database_url)?;
-        let writer = SqlitePoolOptions::new()
-            .max_connections(1)
+        let writer = pool_options(1)
             .acquire_timeout(Duration::from_secs(30))
-            .after_connect(|conn, _| Box::pin(stable_plans(conn)))
             .connect_with(options.clone())
             .await?;
         let migrator = migrator(false);
@@ -408,9 +414,7 @@ impl SqliteStore {
             let cleared = sqlx::query("DELETE FROM breakers").execute(&writer).await?;
             super::breakers_cleared(cleared.rows_affected());
         }
-        let reader = SqlitePoolOptions::new()
-            .max_connections(4)
-            .after_connect(|conn, _| Box::pin(stable_plans(conn)))
+        let reader = pool_options(4)
             .connect_with(options.read_only(true))
             .await?;
         Ok(SqliteStore {
