@@ -4,7 +4,10 @@ every manifest against the Kubernetes schemas offline, and check the facts
 that matter. Run by scripts/chart-test.sh."""
 
 import pathlib
+import re
+import shutil
 import sys
+import tempfile
 
 import helm_python
 import kubernetes_validate
@@ -81,7 +84,17 @@ def check_ports_and_grace(docs, vals, what):
           " the grace, the last notification and the traces' export")
     svc = cluster_service(docs)
     targets = {p["name"]: p["targetPort"] for p in svc["spec"]["ports"]}
-    check(targets == {"grpc": "grpc", "http": "http"}, f"{what}: the service exposes grpc and http")
+    grpc_name, http_name = service_port_names(vals)
+    check(targets == {grpc_name: "grpc", http_name: "http"}, f"{what}: the service exposes grpc and http")
+
+
+def service_port_names(vals):
+    """The Services' names for the gRPC and the HTTP port: with TLS, names a
+    mesh reads as TLS (Istio takes a name's protocol from before its first
+    "-", so not grpc-tls)."""
+    if vals.get("tls", {}).get("enabled"):
+        return "tls-grpc", "https"
+    return "grpc", "http"
 
 
 def cluster_service(docs):
@@ -90,21 +103,55 @@ def cluster_service(docs):
     return svc
 
 
+def headless_service(docs):
+    return [s for s in kind(docs, "Service") if s["metadata"]["name"].endswith("-headless")]
+
+
 def check_headless_service(vals):
     """A headless Service beside the ClusterIP one, on the gRPC port, for
     clients that balance their calls over the pods themselves; off when
-    asked."""
+    asked. Its name resolves to pod addresses, so the port it advertises is
+    the pods' own (ports.grpc), whatever service.port says."""
     docs, _ = render(vals)
     services = {s["metadata"]["name"]: s for s in kind(docs, "Service")}
-    headless = [s for name, s in services.items() if name.endswith("-headless")]
+    headless = headless_service(docs)
     check(len(headless) == 1 and len(services) == 2, f"a headless Service beside the other: {sorted(services)}")
     if headless:
         spec = headless[0]["spec"]
         check(spec.get("clusterIP") == "None", "the headless Service has no cluster IP")
-        check([(p["name"], p["targetPort"]) for p in spec["ports"]] == [("grpc", "grpc")],
+        check([(p["name"], p["targetPort"]) for p in spec["ports"]] == [(service_port_names(vals)[0], "grpc")],
               "the headless Service serves the gRPC port")
+    moved = dict(vals, service=dict(vals.get("service", {}), port=443), ports={"grpc": 9000, "http": 9001})
+    docs, _ = render(moved)
+    got = [p["port"] for s in headless_service(docs) for p in s["spec"]["ports"]]
+    check(got == [9000], f"the headless Service advertises the container's gRPC port (9000), not service.port: {got}")
+    check(cluster_service(docs)["spec"]["ports"][0]["port"] == 443, "the ClusterIP Service keeps service.port")
     docs, _ = render(dict(vals, service=dict(vals.get("service", {}), headless=False)))
     check(len(kind(docs, "Service")) == 1, "service.headless=false renders one Service")
+
+
+def check_tls_service_ports(vals):
+    """With TLS the Services' ports say TLS (name and appProtocol), so that a
+    mesh does not parse the TLS as cleartext HTTP/2 or HTTP; without, gRPC.
+    Their targets, and the probes, name container ports that exist."""
+    for enabled in (False, True):
+        tls = dict(vals.get("tls", {}), enabled=enabled, secretName="intray-tls")
+        docs, _ = render(dict(vals, tls=tls))
+        what = "TLS" if enabled else "no TLS"
+        got = [(p["name"], p.get("appProtocol")) for p in cluster_service(docs)["spec"]["ports"]]
+        want = [("tls-grpc", "tls"), ("https", "https")] if enabled else [("grpc", "grpc"), ("http", None)]
+        check(got == want, f"{what}: the Service's ports are {want}: {got}")
+        got = [(p["name"], p.get("appProtocol")) for s in headless_service(docs) for p in s["spec"]["ports"]]
+        check(got == want[:1], f"{what}: the headless Service's port is {want[:1]}: {got}")
+        [dep] = kind(docs, "Deployment")
+        [c] = dep["spec"]["template"]["spec"]["containers"]
+        names = {p["name"] for p in c["ports"]}
+        refs = [p["targetPort"] for s in kind(docs, "Service") for p in s["spec"]["ports"]]
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            for action in c[probe].values():
+                if isinstance(action, dict) and isinstance(action.get("port"), str):
+                    refs.append(action["port"])
+        check(set(refs) <= names, f"{what}: Services and probes name container ports: {refs} in {sorted(names)}")
 
 
 def check_tls_probes(vals):
@@ -124,13 +171,25 @@ def check_tls_probes(vals):
                       f"TLS: {probe} is HTTPS GET {path}: {got}")
 
 
-def render_fails(overrides):
-    """Whether the templates refuse these values (a `fail` in a template)."""
-    try:
-        with helm_python.Chart.load(CHART) as chart:
-            chart.render(overrides, name="intray", namespace="jobs", is_install=True)
-    except Exception as e:  # the SDK's error for a failed render
-        return "minAvailable" in str(e) or "replicaCount" in str(e)
+def render_fails(overrides, about, schema=True):
+    """Whether the chart refuses these values with a message naming `about`
+    (a `fail` in a template, or the schema, which a render checks first).
+    With schema=False, a copy of the chart without values.schema.json: the
+    templates' own guards, which the schema would otherwise hide."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = CHART
+        if not schema:
+            path = pathlib.Path(tmp) / CHART.name
+            shutil.copytree(CHART, path)
+            (path / "values.schema.json").unlink()
+        try:
+            with helm_python.Chart.load(path) as chart:
+                chart.render(overrides, name="intray", namespace="jobs", is_install=True)
+        except helm_python.HelmError as e:
+            # Refused for something else: neither the refusal looked for nor
+            # a render.
+            check(about in str(e), f"refused for {about}, not another reason: {e}")
+            return about in str(e)
     return False
 
 
@@ -143,9 +202,156 @@ def rejected(overrides):
     return False
 
 
+def pod_annotations(vals):
+    docs, _ = render(vals)
+    [dep] = kind(docs, "Deployment")
+    return dep["spec"]["template"]["metadata"].get("annotations") or {}
+
+
+def check_database_checksum(vals):
+    """A new database URL in the chart's Secret rolls the pods (they read it
+    from the environment, at start); new tokens do not (the server reloads
+    their file). An existing Secret is not the chart's to hash."""
+    tokens = "sha256:" + "a" * 64 + " acme producer\n"
+    base = dict(vals, database={"url": "postgres://u:p@db/a"}, auth={"tokens": tokens})
+    before = pod_annotations(base).get("checksum/database")
+    moved = pod_annotations(dict(base, database={"url": "postgres://u:p@db/b"})).get("checksum/database")
+    check(before is not None and moved is not None and before != moved,
+          f"a new database URL changes the pods' checksum/database: {before} -> {moved}")
+    rotated = pod_annotations(dict(base, auth={"tokens": tokens.replace("a", "b")}))
+    check(rotated.get("checksum/database") == before, "new tokens leave checksum/database alone")
+    check(pod_annotations(dict(base, podAnnotations={"team": "jobs"})) == {"checksum/database": before, "team": "jobs"},
+          "podAnnotations sit beside checksum/database")
+    for what, database in (("an existing Secret", {"existingSecret": "db"}), ("no database", {})):
+        check("checksum/database" not in pod_annotations(dict(vals, database=database)),
+              f"no checksum/database with {what}")
+
+
+def strategy(vals):
+    docs, _ = render(vals)
+    [dep] = kind(docs, "Deployment")
+    return dep["spec"].get("strategy")
+
+
+def check_strategy(vals):
+    """No strategy by default (Kubernetes' RollingUpdate); the one asked for
+    otherwise, e.g. Recreate to cross a migration with the old pods stopped."""
+    check(strategy(vals) is None, "no strategy by default")
+    check(strategy(dict(vals, strategy={"type": "Recreate"})) == {"type": "Recreate"}, "strategy Recreate renders")
+    rolling = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": "25%"}}
+    check(strategy(dict(vals, strategy=rolling)) == rolling, "a RollingUpdate strategy renders as given")
+    check(rejected(dict(vals, strategy={"type": "Recreate", "rollingUpdate": {"maxSurge": 1}})),
+          "schema refuses rollingUpdate settings with Recreate")
+    check(rejected(dict(vals, strategy={"type": "Rolling"})), "schema refuses an unknown strategy type")
+
+
+def data_volume(docs):
+    [dep] = kind(docs, "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    [c] = pod["containers"]
+    [mount] = [m for m in c["volumeMounts"] if m["name"] == "data"]
+    [volume] = [v for v in pod["volumes"] if v["name"] == "data"]
+    return mount["mountPath"], volume
+
+
+def check_persistence(vals):
+    """SQLite on a PersistentVolumeClaim with persistence.enabled, kept by
+    helm uninstall, the pod replaced with Recreate (two pods must never open
+    one SQLite file; a rolling update of an RWO volume hangs on
+    Multi-Attach); refused with PostgreSQL and with a RollingUpdate."""
+    docs, _ = render(vals)
+    check(data_volume(docs) == ("/var/lib/intray", {"name": "data", "emptyDir": {}})
+          and not kind(docs, "PersistentVolumeClaim"),
+          "without persistence, the data directory is an emptyDir")
+
+    on = dict(vals, persistence=dict(vals.get("persistence", {}), enabled=True))
+    docs, _ = render(on)
+    claims = kind(docs, "PersistentVolumeClaim")
+    check(len(claims) == 1, f"persistence.enabled makes one claim: {len(claims)}")
+    if claims:
+        [pvc] = claims
+        check(pvc["metadata"]["name"] == "intray-data", "the claim is <fullname>-data")
+        check(pvc["metadata"].get("annotations", {}).get("helm.sh/resource-policy") == "keep",
+              "helm uninstall keeps the claim")
+        check(pvc["spec"]["accessModes"] == ["ReadWriteOnce"]
+              and pvc["spec"]["resources"]["requests"]["storage"] == "1Gi"
+              and "storageClassName" not in pvc["spec"],
+              f"the claim: ReadWriteOnce, 1Gi, the default class: {pvc['spec']}")
+    claim = {"name": "data", "persistentVolumeClaim": {"claimName": "intray-data"}}
+    check(data_volume(docs) == ("/var/lib/intray", claim),
+          f"the claim is mounted at the data directory: {data_volume(docs)}")
+    [dep] = kind(docs, "Deployment")
+    [c] = dep["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    check(env["INTRAY_DATABASE_URL"].startswith("sqlite:///var/lib/intray/"), "the SQLite file is on the claim")
+    check(dep["spec"].get("strategy") == {"type": "Recreate"}, "persistence replaces the pod with Recreate")
+    check(strategy(dict(on, strategy={"type": "Recreate"})) == {"type": "Recreate"},
+          "persistence takes strategy Recreate")
+
+    for storage_class, want in (("fast", "fast"), ("-", "")):
+        docs, _ = render(dict(on, persistence=dict(on["persistence"], storageClass=storage_class, size="5Gi",
+                                                   accessModes=["ReadWriteOncePod"])))
+        [pvc] = kind(docs, "PersistentVolumeClaim") or [{"spec": {}}]
+        check(pvc["spec"].get("storageClassName") == want and pvc["spec"].get("accessModes") == ["ReadWriteOncePod"]
+              and pvc["spec"].get("resources", {}).get("requests", {}).get("storage") == "5Gi",
+              f"storageClass {storage_class!r}, size and accessModes reach the claim: {pvc['spec']}")
+
+    docs, _ = render(dict(on, persistence=dict(on["persistence"], existingClaim="intray-old")))
+    check(not kind(docs, "PersistentVolumeClaim")
+          and data_volume(docs)[1] == {"name": "data", "persistentVolumeClaim": {"claimName": "intray-old"}},
+          "persistence.existingClaim is mounted, and no claim made")
+
+    for what, database in (("a PostgreSQL URL", {"url": "postgres://u:p@db/intray"}),
+                           ("an existing database Secret", {"existingSecret": "db"})):
+        check(render_fails(dict(on, database=database), "persistence.enabled"),
+              f"persistence is refused with {what}")
+    for rolling in ({"type": "RollingUpdate"}, {"rollingUpdate": {"maxSurge": 1}}):
+        check(render_fails(dict(on, strategy=rolling), "persistence.enabled"),
+              f"persistence is refused with a rolling update: {rolling}")
+    check(rejected(dict(vals, persistence={"enable": True})),
+          "schema refuses a misspelt persistence key (the data would stay on an emptyDir)")
+    check(rejected(dict(vals, persistence={"enabled": True, "size": "lots"})),
+          "schema refuses a size that is no quantity")
+
+
+def check_values_declared(vals):
+    """Every value a template reads is in values.yaml and in the schema."""
+    schema = yaml.safe_load((CHART / "values.schema.json").read_text())
+    used = set()
+    for template in (CHART / "templates").iterdir():
+        used |= set(re.findall(r"\.Values((?:\.[A-Za-z0-9_]+)+)", template.read_text()))
+    for path in sorted(used):
+        keys = path.strip(".").split(".")
+        node, props = vals, schema
+        for key in keys:
+            node = node.get(key) if isinstance(node, dict) else None
+            props = (props or {}).get("properties", {}).get(key)
+        check(node is not None, f"values.yaml sets .Values{path}")
+        check(props is not None, f"values.schema.json declares .Values{path}")
+
+
+def check_pdb(vals):
+    """A budget must leave one pod evictable, whether minAvailable is a count
+    or a percentage (rounded up, as Kubernetes does)."""
+    pg = dict(vals, database={"existingSecret": "db"})
+    for replicas, min_available, refused in ((1, 1, True), (2, 1, False), (3, 2, False), (3, 3, True),
+                                             (1, "100%", True), (3, "100%", True), (1, "50%", True),
+                                             (2, "50%", False), (3, "50%", False), (3, "67%", True), (3, "0%", False)):
+        over = dict(pg, replicaCount=replicas, podDisruptionBudget={"enabled": True, "minAvailable": min_available})
+        check(render_fails(over, "minAvailable") == refused,
+              f"a PDB of {min_available} of {replicas} replica(s) is {'refused' if refused else 'rendered'}")
+    for bad in ("2", "half", -1):
+        check(rejected(dict(vals, podDisruptionBudget={"enabled": True, "minAvailable": bad})),
+              f"schema refuses minAvailable {bad!r} (neither a count nor a percentage)")
+
+
 def main():
     lint = helm_python.lint(CHART, strict=True)
     print("lint:", lint)
+    for what, report in (("defaults", lint),
+                         ("production", helm_python.lint(CHART, values("values-production.yaml"), strict=True))):
+        problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+        check(not problems, f"lint ({what}) finds no warning or error: {problems}")
 
     defaults = values("values.yaml")
     docs, out = render(defaults)
@@ -176,7 +382,15 @@ def main():
     check("INTRAY_TLS_CERT" in env, "TLS configured")
     check_ports_and_grace(docs, prod, "production")
     check_tls_probes(prod)
+    check_tls_service_ports(prod)
+    check_tls_service_ports(defaults)
     check_headless_service(prod)
+    check_headless_service(defaults)
+    check_database_checksum(defaults)
+    check_strategy(defaults)
+    check_persistence(defaults)
+    check_values_declared(defaults)
+    check_pdb(defaults)
 
     moved = dict(defaults, ports={"grpc": 9000, "http": 9001})
     docs, _ = render(moved)
@@ -207,11 +421,12 @@ def main():
           "inline URL and tokens go to the chart's Secret")
 
     check(rejected(dict(defaults, replicaCount=2)), "schema refuses SQLite with 2 replicas")
-    check(render_fails(dict(defaults, podDisruptionBudget={"enabled": True, "minAvailable": 1})),
-          "a PDB that would allow no eviction (minAvailable 1 of 1 replica) is refused")
-    check(not render_fails(dict(defaults, replicaCount=2, database={"existingSecret": "db"},
-                                podDisruptionBudget={"enabled": True, "minAvailable": 1})),
-          "a PDB of 1 of 2 replicas renders")
+    for what, database in (("no database", {}), ("a SQLite URL", {"url": "sqlite:///var/lib/intray/x.db"})):
+        check(render_fails(dict(defaults, replicaCount=2, database=database), "replicaCount", schema=False),
+              f"the template, schema aside, refuses 2 replicas with {what}")
+    check(not render_fails(dict(defaults, replicaCount=2, database={"existingSecret": "db"}), "replicaCount",
+                           schema=False),
+          "the template, schema aside, takes 2 replicas on an existing secret")
     check(rejected(dict(defaults, replicaCount=2, database={"url": "sqlite:///x.db"})),
           "schema refuses a SQLite URL with 2 replicas")
     check(not rejected(dict(defaults, replicaCount=2, database={"existingSecret": "db"})),

@@ -56,3 +56,49 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "intray.hasAuth" -}}
 {{- if or .Values.auth.tokens .Values.auth.existingSecret }}true{{ end }}
 {{- end }}
+
+{{/* Whether the store is PostgreSQL. An existing Secret is taken to hold a
+PostgreSQL URL: it is what lets the schema allow several replicas. */}}
+{{- define "intray.postgres" -}}
+{{- if or (hasPrefix "postgres://" .Values.database.url) (hasPrefix "postgresql://" .Values.database.url) .Values.database.existingSecret }}true{{ end }}
+{{- end }}
+
+{{- define "intray.createsDatabaseSecret" -}}
+{{- if and .Values.database.url (not .Values.database.existingSecret) }}true{{ end }}
+{{- end }}
+
+{{- define "intray.persistence" -}}
+{{- if .Values.persistence.enabled }}true{{ end }}
+{{- end }}
+
+{{- define "intray.claimName" -}}
+{{- .Values.persistence.existingClaim | default (printf "%s-data" (include "intray.fullname" .)) }}
+{{- end }}
+
+{{/* The Deployment strategy. On a persistent SQLite volume always Recreate:
+two pods must never open one SQLite file, and a rolling update of a
+ReadWriteOnce volume's pod hangs on Multi-Attach when the new pod lands on
+another node. */}}
+{{- define "intray.strategy" -}}
+{{- if include "intray.persistence" . }}
+{{- toYaml (dict "type" "Recreate") }}
+{{- else if .Values.strategy }}
+{{- toYaml .Values.strategy }}
+{{- end }}
+{{- end }}
+
+{{/* The Services' port names and appProtocols. A mesh takes a port for what
+these say (Istio reads the name up to its first "-" when appProtocol is
+absent): with TLS, calling the ports grpc and http would have it parse TLS
+as cleartext HTTP/2 and HTTP. */}}
+{{- define "intray.grpcPortName" -}}
+{{- if .Values.tls.enabled }}tls-grpc{{ else }}grpc{{ end }}
+{{- end }}
+
+{{- define "intray.grpcAppProtocol" -}}
+{{- if .Values.tls.enabled }}tls{{ else }}grpc{{ end }}
+{{- end }}
+
+{{- define "intray.httpPortName" -}}
+{{- if .Values.tls.enabled }}https{{ else }}http{{ end }}
+{{- end }}
