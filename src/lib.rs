@@ -12,6 +12,7 @@ pub mod engine;
 pub mod http;
 pub mod protect;
 pub mod reload;
+pub mod report;
 pub mod server;
 pub mod store;
 pub mod telemetry;

@@ -93,7 +93,7 @@ async fn run() -> ExitCode {
                     ExitCode::SUCCESS
                 }
                 Err(err) => {
-                    eprintln!("error: {err}");
+                    eprintln!("error: {}", intray::report::with_causes(&err));
                     ExitCode::FAILURE
                 }
             }
@@ -136,7 +136,7 @@ async fn serve(args: ServeArgs) -> ExitCode {
     // probe) then says the schema is current, and a long migration is not
     // taken for a server that hangs. `run_with` finds nothing left to apply.
     if let Err(err) = intray::store::migrate(&settings.database_url, false).await {
-        eprintln!("error: {err}");
+        eprintln!("error: {}", intray::report::with_causes(&err));
         return ExitCode::FAILURE;
     }
     let listener = match tokio::net::TcpListener::bind(args.grpc_addr).await {
@@ -156,7 +156,7 @@ async fn serve(args: ServeArgs) -> ExitCode {
     settings.tracing = tracing_pipeline.clone();
     tracing::info!(
         grpc_addr = %args.grpc_addr, http_addr = %args.http_addr,
-        database = %redact(&settings.database_url),
+        database = %intray::report::redacted_url(&settings.database_url),
         otlp = tracing_pipeline.tracer().is_some(), "intray serving"
     );
     keep_serving_on_sighup();
@@ -169,28 +169,9 @@ async fn serve(args: ServeArgs) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(err) => {
-            eprintln!("error: {err}");
+            eprintln!("error: {}", intray::report::with_causes(&err));
             ExitCode::FAILURE
         }
-    }
-}
-
-/// The database URL without its password, for the log.
-fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            let creds = &url[scheme + 3..at];
-            match creds.find(':') {
-                Some(colon) => format!(
-                    "{}{}:***{}",
-                    &url[..scheme + 3],
-                    &creds[..colon],
-                    &url[at..]
-                ),
-                None => url.to_owned(),
-            }
-        }
-        _ => url.to_owned(),
     }
 }
 

@@ -28,6 +28,7 @@ common::backend_tests!(
     cancel_queued_and_running,
     cancel_grace_revokes_lease,
     heartbeat_renews_by_the_leased_length,
+    a_renewal_never_runs_past_the_longest_lease,
     watch_resume_from_sequence,
     watch_resumed_across_an_event_not_kept_in_memory,
     watch_live_push,
@@ -995,6 +996,46 @@ async fn expect_revoked(
 // ---------------------------------------------------------------------------
 // 6. watch
 // ---------------------------------------------------------------------------
+
+/// A renewal never runs past the server's longest lease, whatever length
+/// the row records: the migration that started recording lengths filled
+/// them in from each running lease's time so far, hours for a job
+/// heartbeating since it was claimed, and a worker that died after such a
+/// renewal held its job that long.
+async fn a_renewal_never_runs_past_the_longest_lease(backend: Backend) {
+    let server = TestServer::start_with(backend, |s| s.max_lease = Duration::from_secs(120)).await;
+    let mut jobs = server.jobs_client("t");
+    let mut workers = server.workers_client("t");
+    submit(&mut jobs, "hb", "k", json!({})).await;
+    let mut req = lease_req("w", "hb", 1, Duration::ZERO);
+    req.lease_duration = Some(secs(100));
+    let claimed = workers.lease(req).await.expect("Lease").into_inner().jobs;
+    let claimed = claimed.first().expect("claimed");
+    let sql = "UPDATE jobs SET lease_ms = 7200000 WHERE CAST(id AS TEXT) = $1 \
+               RETURNING CAST(1 AS BIGINT)";
+    db_integers(
+        backend,
+        &server.settings.database_url,
+        sql,
+        &[&claimed.job_id],
+    )
+    .await;
+    let hb = workers
+        .heartbeat(pb::HeartbeatRequest {
+            job_id: claimed.job_id.clone(),
+            lease_token: claimed.lease_token.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect("Heartbeat")
+        .into_inner();
+    let left = (time(&hb.lease_expires_at, "lease_expires_at") - Utc::now()).num_seconds();
+    assert!(
+        (110..=120).contains(&left),
+        "renewed by 120 s at most, {left} s left"
+    );
+    server.stop().await;
+}
 
 /// A `Heartbeat` without `extend_by` renews the lease by the length it was
 /// taken with (the proto's contract), both for a claimed job and for one

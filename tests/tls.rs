@@ -1,8 +1,12 @@
 //! TLS and mTLS on the gRPC and HTTP ports, with certificates made at test
-//! time. TLS does not depend on the store, so these run on SQLite only.
+//! time. TLS does not depend on the store, so these run on SQLite only;
+//! the last tests are of TLS to PostgreSQL, through a TLS front made here.
+
+mod common;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use intray::config::{Settings, TlsFiles};
@@ -10,10 +14,10 @@ use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::task::JoinHandle;
-use tokio_rustls::TlsConnector;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
-use tokio_rustls::rustls::{self, ClientConfig, RootCertStore};
+use tokio_rustls::rustls::{self, ClientConfig, RootCertStore, ServerConfig};
+use tokio_rustls::{TlsAcceptor, TlsConnector};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 use tonic_health::pb::HealthCheckRequest;
@@ -360,5 +364,150 @@ async fn a_rewritten_certificate_is_used_for_new_connections() {
         old.is_err(),
         "the HTTP port no longer serves the old one: {old:?}"
     );
+    server.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// TLS to PostgreSQL
+// ---------------------------------------------------------------------------
+
+/// PostgreSQL's request to start TLS: its length (8) and code 80877103.
+const SSL_REQUEST: [u8; 8] = [0, 0, 0, 8, 4, 210, 22, 47];
+
+/// A TLS front for PostgreSQL: it answers a client's `SSLRequest` with
+/// `S`, ends TLS with `pem`, and relays the connection to `upstream` in
+/// the clear. A client that does not ask for TLS is dropped, so whatever
+/// works through the front was encrypted. Returns its address and the
+/// count of TLS sessions it relayed.
+async fn pg_tls_front(pem: &Pem, upstream: String) -> (std::net::SocketAddr, Arc<AtomicUsize>) {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![CertificateDer::from_pem_slice(pem.cert.as_bytes()).expect("cert PEM")],
+            PrivateKeyDer::from_pem_slice(pem.key.as_bytes()).expect("key PEM"),
+        )
+        .expect("server identity");
+    let acceptor = TlsAcceptor::from(Arc::new(config));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("address");
+    let sessions = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&sessions);
+    tokio::spawn(async move {
+        while let Ok((mut tcp, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            let upstream = upstream.clone();
+            let counted = Arc::clone(&counted);
+            tokio::spawn(async move {
+                let mut request = [0u8; 8];
+                if tcp.read_exact(&mut request).await.is_err() || request != SSL_REQUEST {
+                    return;
+                }
+                if tcp.write_all(b"S").await.is_err() {
+                    return;
+                }
+                let Ok(mut tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let Ok(mut database) = TcpStream::connect(&upstream).await else {
+                    return;
+                };
+                counted.fetch_add(1, Ordering::SeqCst);
+                let _ = tokio::io::copy_bidirectional(&mut tls, &mut database).await;
+            });
+        }
+    });
+    (addr, sessions)
+}
+
+/// `url` (a test database's) through `front` with TLS `params`: the host
+/// becomes `localhost`, the name the front's certificate is for.
+fn through_front(url: &str, front: std::net::SocketAddr, params: &str) -> String {
+    let (scheme, rest) = url.split_once("://").expect("a URL");
+    let (authority, path) = rest.split_once('/').expect("a database name");
+    let user = authority
+        .rsplit_once('@')
+        .map(|(user, _)| format!("{user}@"))
+        .unwrap_or_default();
+    let path = path.split_once('?').map_or(path, |(path, _)| path);
+    format!(
+        "{scheme}://{user}localhost:{}/{path}?{params}",
+        front.port()
+    )
+}
+
+/// Where the test database's server listens, as `host:port`.
+fn upstream_of(url: &str) -> String {
+    let options: sqlx::postgres::PgConnectOptions = url.parse().expect("a PostgreSQL URL");
+    format!("{}:{}", options.get_host(), options.get_port())
+}
+
+/// The server reaches PostgreSQL over TLS when its URL asks for it, with
+/// the certificate checked against `sslrootcert`: a managed database
+/// refuses anything else. The build had no TLS for sqlx, and every such
+/// URL ended the server at start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_server_reaches_postgres_over_verified_tls() {
+    let ca = Ca::new("database CA");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let root = write(dir.path(), "root.crt", &ca.pem());
+    let server = common::TestServer::start(common::Backend::Postgres).await;
+    let (front, sessions) = pg_tls_front(
+        &ca.issue(&["localhost"]),
+        upstream_of(&server.settings.database_url),
+    )
+    .await;
+    let url = through_front(
+        &server.settings.database_url,
+        front,
+        &format!("sslmode=verify-full&sslrootcert={}", root.display()),
+    );
+    let over_tls = server
+        .start_replica_with(|settings| settings.database_url = url)
+        .await;
+    let mut jobs = over_tls.jobs_client("t");
+    let job = common::submit(&mut jobs, "q", "k", serde_json::json!({"n": 1})).await;
+    let read = common::get(&mut server.jobs_client("t"), &job.id).await;
+    assert_eq!(read.id, job.id, "stored in the database behind the front");
+    assert!(
+        sessions.load(Ordering::SeqCst) >= 1,
+        "the replica's connections went through TLS"
+    );
+    over_tls.stop().await;
+    server.stop().await;
+}
+
+/// A certificate the server cannot verify stops it at start, saying why,
+/// rather than sending the database's password to whoever answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unverifiable_database_certificate_stops_the_server() {
+    let trusted = Ca::new("database CA");
+    let impostor = Ca::new("someone else");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let root = write(dir.path(), "root.crt", &trusted.pem());
+    let server = common::TestServer::start(common::Backend::Postgres).await;
+    let (front, sessions) = pg_tls_front(
+        &impostor.issue(&["localhost"]),
+        upstream_of(&server.settings.database_url),
+    )
+    .await;
+    let url = through_front(
+        &server.settings.database_url,
+        front,
+        &format!("sslmode=verify-full&sslrootcert={}", root.display()),
+    );
+    let refused = intray::store::migrate(&url, false)
+        .await
+        .expect_err("an impostor's certificate is refused");
+    let said = intray::report::with_causes(&refused);
+    assert!(
+        said.to_ascii_lowercase().contains("certificate"),
+        "the error names the certificate: {said}"
+    );
+    assert_eq!(sessions.load(Ordering::SeqCst), 0, "nothing was relayed");
     server.stop().await;
 }

@@ -159,7 +159,7 @@ fn table_row(report: &Report) -> String {
 }
 
 /// `args` as a shell command line that reproduces the run, with the token
-/// and any password in a URL masked.
+/// and any password in a URL masked ([`crate::report::redacted_url`]).
 pub fn command_line(args: &[String]) -> String {
     let mut words = Vec::with_capacity(args.len());
     let mut mask_next = false;
@@ -173,32 +173,11 @@ pub fn command_line(args: &[String]) -> String {
         } else if arg.starts_with("--token=") {
             "--token=***".to_owned()
         } else {
-            mask_password(arg)
+            crate::report::redacted_url(arg)
         };
         words.push(shell_quote(&word));
     }
     words.join(" ")
-}
-
-/// `scheme://user:secret@host` becomes `scheme://user:***@host`.
-fn mask_password(arg: &str) -> String {
-    let Some(scheme) = arg.find("://") else {
-        return arg.to_owned();
-    };
-    let rest = &arg[scheme + 3..];
-    let authority_end = rest.find('/').unwrap_or(rest.len());
-    let Some(at) = rest[..authority_end].rfind('@') else {
-        return arg.to_owned();
-    };
-    match rest[..at].find(':') {
-        Some(colon) => format!(
-            "{}{}:***{}",
-            &arg[..scheme + 3],
-            &rest[..colon],
-            &rest[at..]
-        ),
-        None => arg.to_owned(),
-    }
 }
 
 fn shell_quote(word: &str) -> String {
@@ -242,15 +221,6 @@ mod tests {
              --note 'two words' '--token=***'"
         );
         assert!(!line.contains("s3cret") && !line.contains("pw@") && !line.contains("other"));
-    }
-
-    #[test]
-    fn a_url_without_password_is_unchanged() {
-        assert_eq!(
-            mask_password("postgres://postgres@127.0.0.1/db"),
-            "postgres://postgres@127.0.0.1/db"
-        );
-        assert_eq!(mask_password("sqlite:///tmp/a.db"), "sqlite:///tmp/a.db");
     }
 
     #[test]

@@ -207,10 +207,15 @@ pub(crate) fn endpoint(opts: &ClientOpts) -> Result<(String, Endpoint), ClientEr
         }
         return Ok((addr, endpoint));
     }
-    let mut tls = ClientTlsConfig::new().with_enabled_roots();
-    if let Some(ca) = &opts.tls_ca {
-        tls = tls.ca_certificate(Certificate::from_pem(read_pem(ca, "--tls-ca")?));
-    }
+    // The system's roots only without `--tls-ca`: loading them fails where
+    // there are none (a bare container), which must not stop a client
+    // that brought its own CA.
+    let mut tls = match &opts.tls_ca {
+        Some(ca) => {
+            ClientTlsConfig::new().ca_certificate(Certificate::from_pem(read_pem(ca, "--tls-ca")?))
+        }
+        None => ClientTlsConfig::new().with_native_roots(),
+    };
     if let (Some(cert), Some(key)) = (&opts.client_cert, &opts.client_key) {
         tls = tls.identity(Identity::from_pem(
             read_pem(cert, "--client-cert")?,

@@ -329,6 +329,11 @@ pub struct HeartbeatSpec {
     /// The length for a lease taken before the store recorded lengths
     /// (migration 0011 on PostgreSQL, 0006 on SQLite): the server's default.
     pub unrecorded_lease: Duration,
+    /// The longest a renewal may run. A recorded length may be longer: one
+    /// taken before the server's bound was lowered, or one that the
+    /// migration filled in from a lease's time run so far (hours, for a
+    /// job heartbeating since it was claimed).
+    pub max_lease: Duration,
     pub progress: Option<f64>,
     pub message: Option<String>,
 }

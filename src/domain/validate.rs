@@ -500,6 +500,7 @@ pub fn heartbeat(input: HeartbeatInput, limits: &Limits) -> Result<HeartbeatSpec
         lease_token,
         extend_by,
         unrecorded_lease: limits.default_lease,
+        max_lease: limits.max_lease,
         progress: input.progress,
         message: (!input.message.is_empty()).then_some(input.message),
     })

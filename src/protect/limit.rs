@@ -5,7 +5,11 @@
 //! every slot while submits queued behind them (their claims are bounded
 //! by the coalescer instead). Streams (`WatchJob`, health `Watch`) are not
 //! cut and do not hold a slot while they stream: their handlers return the
-//! stream at once and the bounds cover only that.
+//! stream at once and the bounds cover only that. Health checks take no
+//! slot either: they read a flag in memory, and a probe queued behind
+//! calls that wait on a slow database timed out, so Kubernetes took a
+//! busy replica for a dead one and restarted it, moving its load onto the
+//! others.
 //!
 //! The slot is taken inside the call's future, under its timeout, so a call
 //! waiting for a slot times out like any other (tower's
@@ -34,6 +38,11 @@ const LONG_POLLS: &[&str] = &[
 
 fn is_long_poll(path: &str) -> bool {
     LONG_POLLS.contains(&path)
+}
+
+/// Calls served without a slot: long-polls and health checks.
+fn takes_no_slot(path: &str) -> bool {
+    is_long_poll(path) || path.starts_with("/grpc.health.v1.Health/")
 }
 
 /// The limit for a method: `base`, plus [`MAX_WAIT`] for long-polls.
@@ -109,7 +118,7 @@ where
 
     fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
         let limit = limit_for(req.uri().path(), self.base);
-        let slots = (!is_long_poll(req.uri().path())).then(|| Arc::clone(&self.slots));
+        let slots = (!takes_no_slot(req.uri().path())).then(|| Arc::clone(&self.slots));
         // tonic's handlers do their work when polled, so holding the
         // future until a slot is free is what limits the work.
         let call = self.inner.call(req);
@@ -178,5 +187,36 @@ mod tests {
         assert!(!lease.is_finished());
         let _ = release.send(());
         lease.await.expect("joined").expect("answered");
+    }
+
+    #[tokio::test]
+    async fn a_health_check_is_answered_while_every_slot_is_held() {
+        let (release, released) = tokio::sync::oneshot::channel::<()>();
+        let released = Arc::new(tokio::sync::Mutex::new(Some(released)));
+        let inner = tower::service_fn(move |req: Request<()>| {
+            let released = Arc::clone(&released);
+            async move {
+                if req.uri().path() == "/intray.v1.JobService/Submit" {
+                    let wait = released.lock().await.take();
+                    if let Some(wait) = wait {
+                        let _ = wait.await;
+                    }
+                }
+                Ok::<_, std::convert::Infallible>(Response::new(()))
+            }
+        });
+        let layer = CallLimitLayer::new(Duration::from_secs(5), 1);
+        let mut service = layer.layer(inner);
+        let call = |path: &str| Request::builder().uri(path).body(()).expect("request");
+        let submit = tokio::spawn(service.call(call("/intray.v1.JobService/Submit")));
+        tokio::task::yield_now().await;
+        assert_eq!(layer.slots().available_permits(), 0, "the submit holds it");
+        let probe = service.call(call("/grpc.health.v1.Health/Check"));
+        tokio::time::timeout(Duration::from_secs(1), probe)
+            .await
+            .expect("the probe is not held behind the submit")
+            .expect("answered");
+        let _ = release.send(());
+        submit.await.expect("joined").expect("answered");
     }
 }

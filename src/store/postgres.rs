@@ -2451,7 +2451,8 @@ impl Store for PgStore {
             "WITH upd AS (
                 UPDATE jobs SET
                     lease_expires_at = CASE WHEN cancel_requested THEN lease_expires_at
-                        ELSE LEAST(now() + COALESCE($4, lease_ms, $8) * interval '1 millisecond',
+                        ELSE LEAST(now() + LEAST(COALESCE($4, lease_ms, $8), $9)
+                                           * interval '1 millisecond',
                                    COALESCE(deadline, 'infinity'::timestamptz)) END,
                     progress = COALESCE($5, progress),
                     updated_at = GREATEST(updated_at, now()),
@@ -2477,6 +2478,7 @@ impl Store for PgStore {
         .bind(spec.message.as_deref())
         .bind(with_event)
         .bind(millis(spec.unrecorded_lease))
+        .bind(millis(spec.max_lease))
         .fetch_optional(&self.pool)
         .await;
         let row = match row {

@@ -62,7 +62,17 @@ fn options(url: &str) -> StoreResult<SqliteConnectOptions> {
                 .into(),
         ));
     }
-    Ok(SqliteConnectOptions::from_str(url)?
+    let parsed = SqliteConnectOptions::from_str(url)?;
+    // An empty name (`sqlite://${DB}` with DB unset) is worse: SQLite gives
+    // each connection a private temporary database, so the readers never
+    // saw the writer's schema. `%3Amemory%3A` decodes to an in-memory one.
+    let name = parsed.get_filename().to_string_lossy();
+    if name.is_empty() || name == ":memory:" {
+        return Err(StoreError::Config(format!(
+            "{url:?} names no SQLite file; name one, e.g. sqlite://intray.db"
+        )));
+    }
+    Ok(parsed
         .create_if_missing(true)
         .journal_mode(SqliteJournalMode::Wal)
         .synchronous(SqliteSynchronous::Full)
@@ -1287,8 +1297,8 @@ impl Store for SqliteStore {
         let row = sqlx::query(
             "UPDATE jobs SET
                 lease_expires_at = CASE WHEN cancel_requested THEN lease_expires_at
-                    ELSE min(?4 + coalesce(?5, lease_ms, ?8),
-                             coalesce(deadline, ?4 + coalesce(?5, lease_ms, ?8))) END,
+                    ELSE min(?4 + min(coalesce(?5, lease_ms, ?8), ?9),
+                             coalesce(deadline, ?4 + min(coalesce(?5, lease_ms, ?8), ?9))) END,
                 progress = coalesce(?6, progress),
                 updated_at = max(updated_at, ?4),
                 event_seq = event_seq + ?7
@@ -1305,6 +1315,7 @@ impl Store for SqliteStore {
         .bind(spec.progress)
         .bind(i64::from(with_event))
         .bind(duration_ms(spec.unrecorded_lease))
+        .bind(duration_ms(spec.max_lease))
         .fetch_optional(&mut *tx)
         .await?;
         let Some(row) = row else {
@@ -1644,7 +1655,9 @@ mod tests {
     }
 
     /// An in-memory database is refused: it would vanish whenever the
-    /// pools happened to close every connection to it, with every job.
+    /// pools happened to close every connection to it, with every job. So
+    /// is a URL that names no file, which gave each connection a private
+    /// database of its own.
     #[tokio::test]
     async fn an_in_memory_database_is_refused() {
         for url in [
@@ -1654,6 +1667,14 @@ mod tests {
             let refused = SqliteStore::open(&Settings::new(url), Arc::new(Notifier::new())).await;
             assert!(
                 matches!(&refused, Err(StoreError::Config(m)) if m.contains("in-memory")),
+                "{url}: {:?}",
+                refused.err()
+            );
+        }
+        for url in ["sqlite://", "sqlite:", "sqlite://%3Amemory%3A"] {
+            let refused = SqliteStore::open(&Settings::new(url), Arc::new(Notifier::new())).await;
+            assert!(
+                matches!(&refused, Err(StoreError::Config(m)) if m.contains("names no SQLite file")),
                 "{url}: {:?}",
                 refused.err()
             );
