@@ -39,6 +39,7 @@ backend_tests!(
     an_attempt_the_reaper_ends_has_its_span,
     metrics_show_the_jobs_made,
     an_attempt_whose_complete_caller_left_is_still_reported,
+    an_attempt_whose_complete_batch_caller_left_is_still_reported,
     a_call_its_client_gave_up_on_is_counted
 );
 
@@ -585,6 +586,19 @@ async fn counted_once(server: &TestServer, keys: &[&str], what: &str) {
 /// and the attempt is reported as any other: its span and its metrics.
 /// Before, the answer for a caller gone was dropped with its report.
 async fn an_attempt_whose_complete_caller_left_is_still_reported(backend: Backend) {
+    reported_though_its_caller_left(backend, false).await;
+}
+
+/// The same through `CompleteBatch`, whose handler reported the outcomes
+/// after the write: a caller gone mid-commit took the reports with it.
+async fn an_attempt_whose_complete_batch_caller_left_is_still_reported(backend: Backend) {
+    reported_though_its_caller_left(backend, true).await;
+}
+
+/// An outcome sent by `Complete` (or `CompleteBatch` when `batch`) whose
+/// caller gives up while the database holds it is reported once it
+/// commits.
+async fn reported_though_its_caller_left(backend: Backend, batch: bool) {
     use sqlx::Connection;
     let mut collector = Collector::start().await;
     let tracing = collector.pipeline();
@@ -635,14 +649,25 @@ async fn an_attempt_whose_complete_caller_left_is_still_reported(backend: Backen
             })
         }
     };
-    let mut request = tonic::Request::new(success_req(&leased, json!({"ok": true})));
-    request.set_timeout(Duration::from_millis(300));
-    gave_up(
+    let outcome = success_req(&leased, json!({"ok": true}));
+    let refused = if batch {
+        let mut request = tonic::Request::new(pb::CompleteBatchRequest {
+            items: vec![outcome],
+        });
+        request.set_timeout(Duration::from_millis(300));
+        workers
+            .complete_batch(request)
+            .await
+            .expect_err("the caller gives up first")
+    } else {
+        let mut request = tonic::Request::new(outcome);
+        request.set_timeout(Duration::from_millis(300));
         workers
             .complete(request)
             .await
-            .expect_err("the caller gives up first"),
-    );
+            .expect_err("the caller gives up first")
+    };
+    gave_up(refused);
     release().await;
 
     let attempts =

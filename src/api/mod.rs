@@ -4,7 +4,6 @@
 
 mod backpressure;
 pub mod convert;
-mod detach;
 mod jobs;
 mod status;
 mod tenant;

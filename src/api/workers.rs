@@ -10,12 +10,12 @@ use tonic::{Request, Response, Status};
 
 use super::Context;
 use super::convert;
-use super::detach::detached;
 use super::status::item_error;
 use super::tenant::{grant_of, require_admin, tenant_of};
 use crate::auth::{AuthError, Grant};
 use crate::domain::validate::{self, MAX_BATCH, ValidationError};
 use crate::domain::{CompleteSpec, Job, LeaseSpec};
+use crate::engine::detach::detached;
 use crate::engine::notifier::{ANY_QUEUE, queue_key};
 use crate::pb;
 use crate::pb::worker_service_server::WorkerService;
@@ -190,9 +190,9 @@ impl WorkersApi {
         Ok((valid, refused))
     }
 
-    /// Each item's result: its validation error, or the next stored outcome.
+    /// Each item's result: its validation error, or the next stored outcome
+    /// (reported where it was stored, [`crate::engine::batchers`]).
     fn item_results(
-        &self,
         refused: Vec<Option<pb::ItemError>>,
         stored: Vec<Result<Ended, StoreError>>,
     ) -> Vec<pb::CompleteBatchResult> {
@@ -204,10 +204,7 @@ impl WorkersApi {
                 let result = match refused {
                     Some(err) => Some(Item::Error(err)),
                     None => stored.next().map(|r| match r {
-                        Ok(ended) => {
-                            self.ctx.observer.ended(&ended);
-                            Item::Job(convert::job(&ended.job))
-                        }
+                        Ok(ended) => Item::Job(convert::job(&ended.job)),
                         Err(e) => Item::Error(item_error(e)),
                     }),
                 };
@@ -278,7 +275,6 @@ impl WorkerService for WorkersApi {
         let tenant = tenant_of(&request)?;
         let spec = self.validate_complete(request.into_inner())?;
         let ended = self.ctx.batchers.complete(&tenant, spec).await??;
-        self.ctx.observer.ended(&ended);
         Ok(Response::new(pb::CompleteResponse {
             job: Some(convert::job(&ended.job)),
         }))
@@ -290,10 +286,9 @@ impl WorkerService for WorkersApi {
     ) -> Result<Response<pb::CompleteBatchResponse>, Status> {
         let tenant = tenant_of(&request)?;
         let (valid, refused) = self.validate_items("items", request.into_inner().items)?;
-        let store = Arc::clone(&self.ctx.store);
-        let stored = detached(async move { store.complete(&tenant, valid).await }).await?;
+        let stored = self.ctx.batchers.complete_batch(&tenant, valid).await?;
         Ok(Response::new(pb::CompleteBatchResponse {
-            results: self.item_results(refused, stored),
+            results: Self::item_results(refused, stored),
         }))
     }
 
@@ -331,7 +326,7 @@ impl WorkerService for WorkersApi {
             .batchers
             .complete_and_lease(&tenant, valid, &spec)
             .await?;
-        let results = self.item_results(refused, stored);
+        let results = Self::item_results(refused, stored);
         // The outcomes have committed, so their results must reach the
         // worker: a failed claim answers no jobs, and the worker's next
         // claim meets the error itself.

@@ -12,6 +12,7 @@ use crate::domain::{CompleteSpec, Job, LeaseSpec, NewJob};
 use crate::store::{Ended, Store, StoreError, StoreResult, Submitted};
 
 use super::coalesce::{Coalescer, Flush, FlushFuture, Sizing};
+use super::detach::detached;
 use super::handoff::{self, Parked, Parking};
 use super::observer::Observer;
 
@@ -41,8 +42,8 @@ pub struct Batchers {
 impl Batchers {
     /// Starts the coalescing tasks: the submit one runs at most
     /// `submit_in_flight` transactions at once, the lease and complete one
-    /// `in_flight`. Attempts ended for callers that went away are reported
-    /// to `observer` here (the callers report their own).
+    /// `in_flight`. Every attempt ended here is reported to `observer` as
+    /// it commits, whether or not its caller is still there to hear of it.
     pub fn start(
         store: Arc<dyn Store>,
         observer: Arc<Observer>,
@@ -133,6 +134,26 @@ impl Batchers {
         }
     }
 
+    /// Applies a batch of outcomes in a transaction of its own (each
+    /// failing alone), and reports the attempts they end. It runs to its
+    /// end in a task of its own: a caller that goes away while it commits
+    /// must not take the wake-ups and the reports with it.
+    pub async fn complete_batch(
+        &self,
+        tenant: &str,
+        items: Vec<CompleteSpec>,
+    ) -> StoreResult<Vec<StoreResult<Ended>>> {
+        let store = Arc::clone(&self.store);
+        let observer = Arc::clone(&self.observer);
+        let tenant = tenant.to_owned();
+        detached(async move {
+            let ended = store.complete(&tenant, items).await?;
+            observer.ended_all(&ended);
+            Ok(ended)
+        })
+        .await
+    }
+
     /// Applies outcomes, then claims for `spec`: the outcomes (each failing
     /// alone) and the claim's jobs, or the claim's error (the outcomes
     /// stand all the same). A light call shares one transaction with
@@ -149,12 +170,9 @@ impl Batchers {
         spec: &LeaseSpec,
     ) -> StoreResult<(Vec<StoreResult<Ended>>, StoreResult<Vec<Job>>)> {
         if items.len() + spec.max_jobs as usize >= OVERLAP_WEIGHT {
-            let ended = Unreported {
-                ended: self.store.complete(tenant, items).await?,
-                observer: &self.observer,
-            };
+            let ended = self.complete_batch(tenant, items).await?;
             let leased = self.lease(tenant, spec).await;
-            return Ok((ended.handed_over(), leased));
+            return Ok((ended, leased));
         }
         match self
             .work
@@ -166,28 +184,6 @@ impl Batchers {
         {
             Done::Both(ended, leased) => Ok((ended, leased)),
             Done::Leased(_) | Done::Completed(_) => Err(mismatched()),
-        }
-    }
-}
-
-/// Attempts ended and not yet handed to the caller, who reports them: if
-/// the caller goes away first (while its claim runs), they are reported
-/// here, so that no ended attempt goes without its span, metrics and log.
-struct Unreported<'a> {
-    ended: Vec<StoreResult<Ended>>,
-    observer: &'a Observer,
-}
-
-impl Unreported<'_> {
-    fn handed_over(mut self) -> Vec<StoreResult<Ended>> {
-        std::mem::take(&mut self.ended)
-    }
-}
-
-impl Drop for Unreported<'_> {
-    fn drop(&mut self) {
-        for ended in self.ended.iter().flatten() {
-            self.observer.ended(ended);
         }
     }
 }
@@ -260,7 +256,7 @@ impl LeaseShape {
 
 struct WorkFlush {
     store: Arc<dyn Store>,
-    /// Reports the attempts ended for callers that went away.
+    /// Reports the attempts ended, as they commit.
     observer: Arc<Observer>,
 }
 
@@ -321,6 +317,10 @@ impl Flush for WorkFlush {
                 .store
                 .complete_and_lease(&tenant, items, &first_specs)
                 .await?;
+            // Reported here, once committed, rather than by each caller: an
+            // answer can be lost after it is sent (its caller dropped before
+            // it read it), and the attempt's span and metrics with it.
+            self.observer.ended_all(&ended);
             let others = futures::future::join_all(shapes.map(|(_, indexes, specs)| {
                 let store = &self.store;
                 let tenant = &tenant;
@@ -343,18 +343,14 @@ impl Flush for WorkFlush {
     }
 
     /// Jobs claimed for a caller that went away are not left to sit out
-    /// their lease, and the attempts its outcomes ended are reported here,
-    /// as the caller would have.
+    /// their lease. (The attempts its outcomes ended were reported in the
+    /// flush.)
     fn orphaned(&self, answer: Done) {
-        let (ended, leased) = match answer {
-            Done::Leased(leased) => (Vec::new(), Some(leased)),
-            Done::Completed(ended) => (vec![*ended], None),
-            Done::Both(ended, leased) => (ended, Some(leased)),
+        let leased = match answer {
+            Done::Leased(leased) | Done::Both(_, leased) => leased,
+            Done::Completed(_) => return,
         };
-        for ended in ended.iter().flatten() {
-            self.observer.ended(ended);
-        }
-        if let Some(Ok(jobs)) = leased {
+        if let Ok(jobs) = leased {
             handoff::give_back(&self.store, jobs);
         }
     }

@@ -5,6 +5,7 @@
 
 pub mod batchers;
 pub mod coalesce;
+pub mod detach;
 pub mod gauges;
 pub mod handoff;
 pub mod notifier;

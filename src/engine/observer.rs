@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::domain::{Job, JobEvent, JobState, RetryFilter};
-use crate::store::Ended;
+use crate::store::{Ended, StoreResult};
 use crate::telemetry::attempt::{self, AttemptSummary};
 use crate::telemetry::{Metrics, Tracing};
 
@@ -65,6 +65,13 @@ impl Observer {
                 queue_wait_ms = wait.map(|w| w.as_millis() as u64),
                 "job transition"
             );
+        }
+    }
+
+    /// [`Self::ended`] for each outcome stored of a batch.
+    pub fn ended_all(&self, ended: &[StoreResult<Ended>]) {
+        for ended in ended.iter().flatten() {
+            self.ended(ended);
         }
     }
 
