@@ -42,8 +42,10 @@ pub struct Batchers {
 impl Batchers {
     /// Starts the coalescing tasks: the submit one runs at most
     /// `submit_in_flight` transactions at once, the lease and complete one
-    /// `in_flight`. Every attempt ended here is reported to `observer` as
-    /// it commits, whether or not its caller is still there to hear of it.
+    /// `in_flight`. Every attempt ended here is reported to `observer`:
+    /// on the caller's side once its answer arrives (off the shared
+    /// transaction's path), and by the coalescer or the detached write
+    /// when the caller went away first.
     pub fn start(
         store: Arc<dyn Store>,
         observer: Arc<Observer>,
@@ -129,7 +131,12 @@ impl Batchers {
             .call(tenant.to_owned(), Work::Complete(spec))
             .await?
         {
-            Done::Completed(ended) => Ok(*ended),
+            Done::Completed(ended) => {
+                if let Ok(ended) = ended.as_ref() {
+                    self.observer.ended(ended);
+                }
+                Ok(*ended)
+            }
             Done::Leased(_) | Done::Both(..) => Err(mismatched()),
         }
     }
@@ -182,7 +189,10 @@ impl Batchers {
             )
             .await?
         {
-            Done::Both(ended, leased) => Ok((ended, leased)),
+            Done::Both(ended, leased) => {
+                self.observer.ended_all(&ended);
+                Ok((ended, leased))
+            }
             Done::Leased(_) | Done::Completed(_) => Err(mismatched()),
         }
     }
@@ -256,7 +266,7 @@ impl LeaseShape {
 
 struct WorkFlush {
     store: Arc<dyn Store>,
-    /// Reports the attempts ended, as they commit.
+    /// Reports the attempts ended for callers that went away.
     observer: Arc<Observer>,
 }
 
@@ -317,10 +327,6 @@ impl Flush for WorkFlush {
                 .store
                 .complete_and_lease(&tenant, items, &first_specs)
                 .await?;
-            // Reported here, once committed, rather than by each caller: an
-            // answer can be lost after it is sent (its caller dropped before
-            // it read it), and the attempt's span and metrics with it.
-            self.observer.ended_all(&ended);
             let others = futures::future::join_all(shapes.map(|(_, indexes, specs)| {
                 let store = &self.store;
                 let tenant = &tenant;
@@ -343,14 +349,16 @@ impl Flush for WorkFlush {
     }
 
     /// Jobs claimed for a caller that went away are not left to sit out
-    /// their lease. (The attempts its outcomes ended were reported in the
-    /// flush.)
+    /// their lease, and the attempts its outcomes ended are reported here,
+    /// as [`Batchers`] would have on the caller's side.
     fn orphaned(&self, answer: Done) {
-        let leased = match answer {
-            Done::Leased(leased) | Done::Both(_, leased) => leased,
-            Done::Completed(_) => return,
+        let (ended, leased) = match answer {
+            Done::Leased(leased) => (Vec::new(), Some(leased)),
+            Done::Completed(ended) => (vec![*ended], None),
+            Done::Both(ended, leased) => (ended, Some(leased)),
         };
-        if let Ok(jobs) = leased {
+        self.observer.ended_all(&ended);
+        if let Some(Ok(jobs)) = leased {
             handoff::give_back(&self.store, jobs);
         }
     }
