@@ -7,7 +7,6 @@
 
 use std::cell::Cell;
 use std::sync::Arc;
-use std::time::Duration;
 
 use opentelemetry::KeyValue;
 use opentelemetry::trace::{SpanId, TraceId, TracerProvider as _};
@@ -43,28 +42,15 @@ impl Tracing {
         Tracing::default()
     }
 
-    /// The pipeline the environment asks for:
-    /// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, else
-    /// `OTEL_EXPORTER_OTLP_ENDPOINT`; neither set means off. The sampler
-    /// (`OTEL_TRACES_SAMPLER[_ARG]`), resource (`OTEL_SERVICE_NAME`,
-    /// `OTEL_RESOURCE_ATTRIBUTES`), batching (`OTEL_BSP_*`) and export
-    /// timeout are read by the SDK itself. Must run inside a tokio runtime.
+    /// The pipeline the environment asks for (see [`endpoint_from`]). The
+    /// sampler (`OTEL_TRACES_SAMPLER[_ARG]`), resource
+    /// (`OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`), batching
+    /// (`OTEL_BSP_*`) and export timeout (`OTEL_EXPORTER_OTLP[_TRACES]_TIMEOUT`,
+    /// 10 s by default) are read by the SDK itself. Must run inside a tokio
+    /// runtime.
     pub fn from_env() -> Result<Tracing, TracingError> {
-        let endpoint = [
-            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-            "OTEL_EXPORTER_OTLP_ENDPOINT",
-        ]
-        .iter()
-        .find_map(|name| std::env::var(name).ok().filter(|v| !v.trim().is_empty()));
-        match endpoint {
-            Some(endpoint) => {
-                if let Ok(protocol) = std::env::var("OTEL_EXPORTER_OTLP_PROTOCOL")
-                    && protocol != "grpc"
-                {
-                    tracing::warn!(%protocol, "only OTLP over gRPC is built in; exporting with grpc");
-                }
-                Tracing::to_endpoint(&endpoint)
-            }
+        match endpoint_from(|name| std::env::var(name).ok())? {
+            Some(endpoint) => Tracing::to_endpoint(&endpoint),
             None => Ok(Tracing::off()),
         }
     }
@@ -72,10 +58,10 @@ impl Tracing {
     /// A pipeline exporting to `endpoint` (`http://host:4317`). Must run
     /// inside a tokio runtime: the exporter's channel needs its reactor.
     pub fn to_endpoint(endpoint: &str) -> Result<Tracing, TracingError> {
+        // No timeout set here: one set in code overrides the environment's.
         let exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_tonic()
             .with_endpoint(endpoint)
-            .with_timeout(Duration::from_secs(10))
             .build()
             .map_err(|e| TracingError(e.to_string()))?;
         let provider = SdkTracerProvider::builder()
@@ -124,6 +110,52 @@ impl Tracing {
             }
         }
     }
+}
+
+/// Where the variables `env` reads ask traces to go: the collector of
+/// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, else `OTEL_EXPORTER_OTLP_ENDPOINT`;
+/// `None` (off) with neither, or with `OTEL_SDK_DISABLED=true` or
+/// `OTEL_TRACES_EXPORTER=none`. What cannot be honoured is refused rather
+/// than ignored: only OTLP over gRPC is built in, and an `http/protobuf`
+/// endpoint (port 4318, the OpenTelemetry default) sent gRPC to an HTTP
+/// port and lost every span, its one warning logged before logging was up.
+pub fn endpoint_from(env: impl Fn(&str) -> Option<String>) -> Result<Option<String>, TracingError> {
+    let set = |name: &str| {
+        env(name)
+            .map(|v| v.trim().to_owned())
+            .filter(|v| !v.is_empty())
+    };
+    if set("OTEL_SDK_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true")) {
+        return Ok(None);
+    }
+    match set("OTEL_TRACES_EXPORTER").as_deref() {
+        None | Some("otlp") => {}
+        Some("none") => return Ok(None),
+        Some(other) => {
+            return Err(TracingError(format!(
+                "OTEL_TRACES_EXPORTER={other}: only otlp (or none) is built in"
+            )));
+        }
+    }
+    let Some(endpoint) =
+        set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").or_else(|| set("OTEL_EXPORTER_OTLP_ENDPOINT"))
+    else {
+        return Ok(None);
+    };
+    for name in [
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+    ] {
+        if let Some(protocol) = set(name) {
+            if protocol != "grpc" {
+                return Err(TracingError(format!(
+                    "{name}={protocol}: only OTLP over gRPC is built in; set grpc and a gRPC endpoint (port 4317)"
+                )));
+            }
+            break;
+        }
+    }
+    Ok(Some(endpoint))
 }
 
 /// The environment's resource, named `intray` unless it names itself.
@@ -188,4 +220,76 @@ pub(crate) fn with_ids<T>(trace_id: TraceId, span_id: SpanId, build: impl FnOnce
     // A span with a parent takes its trace id from it: drop what is left.
     PRESET.set((None, None));
     built
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn endpoint(vars: &[(&str, &str)]) -> Result<Option<String>, TracingError> {
+        endpoint_from(|name| {
+            vars.iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| (*v).to_owned())
+        })
+    }
+
+    #[test]
+    fn the_environment_names_the_collector_or_turns_tracing_off() {
+        let at = "http://collector:4317";
+        assert_eq!(endpoint(&[]).expect("off"), None);
+        assert_eq!(
+            endpoint(&[("OTEL_EXPORTER_OTLP_ENDPOINT", at)]).expect("on"),
+            Some(at.to_owned())
+        );
+        assert_eq!(
+            endpoint(&[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://other:4317"),
+                ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", at),
+            ])
+            .expect("on"),
+            Some(at.to_owned()),
+            "the traces endpoint first"
+        );
+        for off in [
+            ("OTEL_SDK_DISABLED", "true"),
+            ("OTEL_TRACES_EXPORTER", "none"),
+        ] {
+            assert_eq!(
+                endpoint(&[("OTEL_EXPORTER_OTLP_ENDPOINT", at), off]).expect("off"),
+                None,
+                "{off:?}"
+            );
+        }
+        assert_eq!(
+            endpoint(&[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", at),
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+                ("OTEL_TRACES_EXPORTER", "otlp"),
+            ])
+            .expect("on"),
+            Some(at.to_owned())
+        );
+    }
+
+    #[test]
+    fn what_cannot_be_honoured_is_refused() {
+        let at = ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318");
+        let refused = endpoint(&[at, ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")])
+            .expect_err("HTTP is not built in");
+        assert!(refused.to_string().contains("http/protobuf"), "{refused}");
+        let refused = endpoint(&[
+            at,
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json"),
+        ])
+        .expect_err("the traces protocol first");
+        assert!(refused.to_string().contains("TRACES_PROTOCOL"), "{refused}");
+        assert!(endpoint(&[at, ("OTEL_TRACES_EXPORTER", "zipkin")]).is_err());
+        assert_eq!(
+            endpoint(&[("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")]).expect("off"),
+            None,
+            "no endpoint, nothing to refuse"
+        );
+    }
 }
