@@ -30,6 +30,11 @@ const MAX_SERIES: usize = 2000;
 /// The label value of the series that counts label sets beyond
 /// [`MAX_SERIES`].
 const OVERFLOW: &str = "_other";
+/// Queues with series of their own in the database gauges. Queue names are
+/// the callers', and each queue has eight gauge series: a producer using
+/// fifty thousand queue names put four hundred thousand series in every
+/// scrape of every replica until retention deleted their jobs.
+const MAX_GAUGE_QUEUES: usize = 250;
 
 #[derive(Clone, Debug)]
 struct Histogram {
@@ -277,37 +282,61 @@ impl Metrics {
     }
 
     /// Replaces the database gauges with a fresh reading; queues that
-    /// vanished from the reading vanish from the gauges.
+    /// vanished from the reading vanish from the gauges. The
+    /// [`MAX_GAUGE_QUEUES`] queues with the most jobs queued or running
+    /// keep series of their own; the others are summed under
+    /// `tenant="_other", queue="_other"` (their oldest runnable job's age
+    /// is the oldest among them).
     pub fn set_depths(&self, depths: &[QueueDepth]) {
+        let live = |d: &QueueDepth| {
+            let n = |state| d.counts.get(state).copied().unwrap_or(0);
+            (n("queued") + n("running"), d.counts.values().sum::<u64>())
+        };
+        let mut ranked: Vec<&QueueDepth> = depths.iter().collect();
+        ranked.sort_by_key(|d| std::cmp::Reverse(live(d)));
         let mut jobs = BTreeMap::new();
         let mut oldest = BTreeMap::new();
         let mut running = BTreeMap::new();
-        for d in depths {
-            let key = vec![d.tenant.clone(), d.queue.clone()];
+        for (rank, d) in ranked.into_iter().enumerate() {
+            let key = if rank < MAX_GAUGE_QUEUES {
+                vec![d.tenant.clone(), d.queue.clone()]
+            } else {
+                vec![OVERFLOW.to_owned(), OVERFLOW.to_owned()]
+            };
             for state in crate::domain::JobState::ALL {
                 let n = d.counts.get(state.as_str()).copied().unwrap_or(0);
                 let mut k = key.clone();
                 k.push(state.as_str().to_owned());
-                jobs.insert(k, n as f64);
+                *jobs.entry(k).or_insert(0.0) += n as f64;
             }
-            running.insert(
-                key.clone(),
-                d.counts.get("running").copied().unwrap_or(0) as f64,
-            );
+            *running.entry(key.clone()).or_insert(0.0) +=
+                d.counts.get("running").copied().unwrap_or(0) as f64;
             // A queue with nothing runnable has age 0, so alerts see it recover.
-            oldest.insert(key, d.oldest_runnable_age.map_or(0.0, |a| a.as_secs_f64()));
+            let age = d.oldest_runnable_age.map_or(0.0, |a| a.as_secs_f64());
+            let oldest = oldest.entry(key).or_insert(0.0_f64);
+            *oldest = oldest.max(age);
         }
         *self.jobs.lock() = jobs;
         *self.oldest_runnable.lock() = oldest;
         *self.leases_in_flight.lock() = running;
     }
 
-    /// Sets the workers gauge to `counts`, dropping queues no longer in it.
+    /// Sets the workers gauge to `counts`, dropping queues no longer in it:
+    /// the [`MAX_GAUGE_QUEUES`] queues with the most workers by name, the
+    /// others summed under `_other`.
     pub fn set_workers(&self, counts: &[QueueWorkers]) {
-        *self.workers.lock() = counts
-            .iter()
-            .map(|c| (vec![c.tenant.clone(), c.queue.clone()], c.workers as f64))
-            .collect();
+        let mut ranked: Vec<&QueueWorkers> = counts.iter().collect();
+        ranked.sort_by_key(|c| std::cmp::Reverse(c.workers));
+        let mut workers = BTreeMap::new();
+        for (rank, c) in ranked.into_iter().enumerate() {
+            let key = if rank < MAX_GAUGE_QUEUES {
+                vec![c.tenant.clone(), c.queue.clone()]
+            } else {
+                vec![OVERFLOW.to_owned(), OVERFLOW.to_owned()]
+            };
+            *workers.entry(key).or_insert(0.0) += c.workers as f64;
+        }
+        *self.workers.lock() = workers;
     }
 
     /// A failed refresh of the database gauges.
@@ -475,6 +504,48 @@ mod tests {
             text.contains("error_class=\"class-0\"} 2"),
             "a series kept goes on counting"
         );
+    }
+
+    #[test]
+    fn queues_beyond_the_gauge_bound_are_summed_together() {
+        let m = Metrics::new();
+        let depth = |i: usize, queued: u64| QueueDepth {
+            tenant: "t".into(),
+            queue: format!("q{i}"),
+            counts: [("queued", queued), ("running", 1)].into_iter().collect(),
+            oldest_runnable_age: Some(Duration::from_secs(i as u64)),
+        };
+        // The busiest queue last: the rank, not the order read, decides.
+        let mut depths: Vec<QueueDepth> = (0..MAX_GAUGE_QUEUES + 10).map(|i| depth(i, 1)).collect();
+        depths.push(depth(9999, 50));
+        m.set_depths(&depths);
+        m.set_workers(
+            &(0..MAX_GAUGE_QUEUES + 3)
+                .map(|i| QueueWorkers {
+                    tenant: "t".into(),
+                    queue: format!("q{i}"),
+                    workers: 2,
+                })
+                .collect::<Vec<_>>(),
+        );
+        let text = m.render();
+        let queued =
+            |line: &str| line.starts_with("intray_jobs{") && line.contains("state=\"queued\"");
+        assert_eq!(
+            text.lines().filter(|l| queued(l)).count(),
+            MAX_GAUGE_QUEUES + 1,
+            "the bound and one overflow series"
+        );
+        assert!(text.contains("intray_jobs{tenant=\"t\",queue=\"q9999\",state=\"queued\"} 50"));
+        assert!(
+            text.contains("intray_jobs{tenant=\"_other\",queue=\"_other\",state=\"queued\"} 11")
+        );
+        assert!(text.contains("intray_leases_in_flight{tenant=\"_other\",queue=\"_other\"} 11"));
+        assert!(text.contains(&format!(
+            "intray_oldest_runnable_job_age_seconds{{tenant=\"_other\",queue=\"_other\"}} {}",
+            MAX_GAUGE_QUEUES + 9
+        )));
+        assert!(text.contains("intray_workers{tenant=\"_other\",queue=\"_other\"} 6"));
     }
 
     #[test]
