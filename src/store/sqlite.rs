@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
+use nix::fcntl::{Flock, FlockArg};
 use serde_json::Value;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
@@ -126,15 +127,40 @@ fn pool_options(max_connections: u32) -> SqlitePoolOptions {
 
 /// Applies the SQLite migrations (creating the file if needed).
 pub async fn migrate(url: &str, strict: bool) -> StoreResult<()> {
+    let options = options(url)?;
     let pool = SqlitePoolOptions::new()
         .max_connections(1)
-        .connect_with(options(url)?)
+        .connect_with(options.clone())
         .await?;
+    let _lock = lock_for_migrations(&options).await?;
     // The open that follows (`serve`) warns of migrations a newer build
     // applied.
     migrator(strict).run(&pool).await?;
     pool.close().await;
     Ok(())
+}
+
+/// An exclusive `flock` on the database file, to hold while migrations
+/// run. sqlx's SQLite migrator takes no lock (on PostgreSQL it takes an
+/// advisory one): two processes starting together on a new file both
+/// applied the first migration, and the second to commit failed ("table
+/// jobs already exists") and exited. The file must exist. SQLite's own
+/// locks are POSIX record locks, which a `flock` leaves alone.
+async fn lock_for_migrations(options: &SqliteConnectOptions) -> StoreResult<Flock<std::fs::File>> {
+    let path = options.get_filename().to_owned();
+    tokio::task::spawn_blocking(move || {
+        let file = std::fs::File::open(&path).map_err(|err| {
+            StoreError::Internal(format!("cannot open {} to lock it: {err}", path.display()))
+        })?;
+        Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, errno)| {
+            StoreError::Internal(format!(
+                "cannot lock {} for migrations: {errno}",
+                path.display()
+            ))
+        })
+    })
+    .await
+    .map_err(|err| StoreError::Internal(format!("the migration lock's task ended: {err}")))?
 }
 
 /// The SQLite implementation of [`Store`].
@@ -415,7 +441,9 @@ impl SqliteStore {
             .connect_with(options.clone())
             .await?;
         let migrator = migrator(false);
+        let lock = lock_for_migrations(&options).await?;
         migrator.run(&writer).await?;
+        drop(lock);
         let applied: Option<i64> = sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations")
             .fetch_one(&writer)
             .await?;
@@ -1652,6 +1680,27 @@ mod tests {
             migrate(&url, true).await.is_err(),
             "intray migrate stays strict"
         );
+    }
+
+    /// Processes starting together on a new file each apply the migrations
+    /// or find them applied: sqlx's SQLite migrator took no lock, and the
+    /// second to apply the first migration failed and exited. Played by
+    /// two migrations and an open at once, on several new files.
+    #[tokio::test]
+    async fn stores_migrating_at_once_all_start() {
+        for round in 0..5 {
+            let dir = tempfile::tempdir().expect("dir");
+            let url = format!("sqlite://{}", dir.path().join("race.db").display());
+            let settings = Settings::new(url.clone());
+            let (first, second, opened) = tokio::join!(
+                migrate(&url, true),
+                migrate(&url, false),
+                SqliteStore::open(&settings, Arc::new(Notifier::new())),
+            );
+            first.unwrap_or_else(|e| panic!("round {round}: the first migrate: {e}"));
+            second.unwrap_or_else(|e| panic!("round {round}: the second migrate: {e}"));
+            opened.unwrap_or_else(|e| panic!("round {round}: the open: {e}"));
+        }
     }
 
     /// An in-memory database is refused: it would vanish whenever the
