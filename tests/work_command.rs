@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -44,7 +45,8 @@ case "$INTRAY_KIND" in
   text)
     echo "plain words" ;;
   env)
-    printf '"%s"' "${INTRAY_TOKEN-unset}${INTRAY_CLIENT_KEY-}" ;;
+    leaked=$(tr '\0' '\n' < "/proc/$PPID/environ" 2>/dev/null | grep -c '^INTRAY_TOKEN=')
+    printf '"%s %s"' "${INTRAY_TOKEN-unset}${INTRAY_CLIENT_KEY-}" "${leaked:-0}" ;;
   tempfail)
     if [ "$INTRAY_ATTEMPT" = 1 ]; then echo "upstream busy, try later" >&2; exit 75; fi
     echo '"ok on retry"' ;;
@@ -102,6 +104,27 @@ impl WorkProcess {
         )
     }
 
+    /// As [`Self::start`], but as `nobody` when the tests run as root: root
+    /// reads every process's `/proc` files, so only a worker of an ordinary
+    /// user shows whether its commands can read its environment.
+    async fn start_unprivileged(server: &TestServer, extra: &[&str]) -> WorkProcess {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_intray"));
+        if nix::unistd::Uid::effective().is_root() {
+            let nobody = 65534;
+            // SAFETY: between fork and exec the child only calls setgroups,
+            // setgid and setuid, which are async-signal-safe.
+            unsafe {
+                command.pre_exec(move || {
+                    nix::unistd::setgroups(&[])?;
+                    nix::unistd::setgid(nix::unistd::Gid::from_raw(nobody))?;
+                    nix::unistd::setuid(nix::unistd::Uid::from_raw(nobody))?;
+                    Ok(())
+                });
+            }
+        }
+        Self::spawn(command, server, &TIMINGS, extra)
+    }
+
     /// As [`Self::start`], with `signal` ignored (`SigIgn`, as a
     /// supervisor or `nohup` might leave it) or at its default (`SigDfl`,
     /// whatever the test runner left): `intray work` inherits that across
@@ -132,6 +155,9 @@ impl WorkProcess {
         extra: &[&str],
     ) -> WorkProcess {
         let dir = tempfile::tempdir().expect("temporary directory");
+        // Open to a worker started as another user (start_unprivileged).
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777))
+            .expect("open the directory");
         let script = dir.path().join("job.sh");
         std::fs::write(&script, SCRIPT).expect("write the script");
         command
@@ -187,7 +213,7 @@ fn error_of(job: &pb::Job) -> (String, String) {
 async fn work_success(backend: Backend) {
     let server = TestServer::start(backend).await;
     let mut jobs = server.jobs_client(TENANT);
-    let worker = WorkProcess::start(&server, &["--concurrency", "2"]).await;
+    let worker = WorkProcess::start_unprivileged(&server, &["--concurrency", "2"]).await;
 
     let ok = submit(
         &mut jobs,
@@ -226,8 +252,8 @@ async fn work_success(backend: Backend) {
     let done = wait_for_state(&mut jobs, &env.id, St::Succeeded, LONG).await;
     assert_eq!(
         done.result.as_ref().map(value_to_json),
-        Some(json!("unset")),
-        "the worker's token is kept from its commands"
+        Some(json!("unset 0")),
+        "the worker's token is kept from its commands, and from its /proc environ"
     );
     worker.stop().await;
     server.stop().await;

@@ -65,6 +65,7 @@ pub struct WorkArgs {
 /// Runs the worker until SIGINT, SIGTERM or SIGHUP, then drains.
 pub async fn run(opts: &ClientOpts, args: WorkArgs) -> Result<(), ClientError> {
     crate::telemetry::init_logging();
+    guard_credentials();
     let mut command = args.command.into_iter();
     let program = command
         .next()
@@ -178,6 +179,17 @@ fn stop_signals() -> (impl Future<Output = ()>, impl Future<Output = ()>) {
 }
 
 /// Whether whoever started the worker left SIGHUP ignored (`nohup`).
+/// Makes this process undumpable, so that processes of the same user (its
+/// commands among them) can no longer read its environment or memory
+/// (`/proc/PID/environ`, ptrace): the worker's token is there, and keeping
+/// it out of the commands' own environment alone left it one `cat` away.
+/// A token given with `--token` still shows in `/proc/PID/cmdline`.
+fn guard_credentials() {
+    if let Err(err) = nix::sys::prctl::set_dumpable(false) {
+        tracing::warn!(error = %err, "cannot make the worker undumpable: its commands may read its token from /proc");
+    }
+}
+
 fn hangup_ignored() -> bool {
     use nix::libc;
     let mut old = std::mem::MaybeUninit::<libc::sigaction>::zeroed();
