@@ -20,6 +20,7 @@ common::backend_tests!(
     get_events_shows_a_replayed_jobs_whole_history,
     watch_exits_by_how_the_job_ended,
     watch_resumes_after_a_server_shuts_down,
+    exit_codes_tell_a_missing_job_from_a_server_away,
 );
 
 const TENANT: &str = "cli";
@@ -27,6 +28,11 @@ const TENANT: &str = "cli";
 /// Runs `intray --addr ADDR --tenant cli ARGS`, with no other `INTRAY_*`
 /// setting from the environment.
 async fn intray(server: &TestServer, args: &[&str]) -> Output {
+    intray_at(&server.url(), args).await
+}
+
+/// [`intray`] against `addr`, a server's or not.
+async fn intray_at(addr: &str, args: &[&str]) -> Output {
     let mut command = Command::new(env!("CARGO_BIN_EXE_intray"));
     for (key, _) in std::env::vars() {
         if key.starts_with("INTRAY_") {
@@ -34,12 +40,25 @@ async fn intray(server: &TestServer, args: &[&str]) -> Output {
         }
     }
     command
-        .args(["--addr", &server.url(), "--tenant", TENANT])
+        .args(["--addr", addr, "--tenant", TENANT])
         .args(args)
         .kill_on_drop(true);
     within(Duration::from_secs(30), "the CLI", command.output())
         .await
         .expect("run the CLI")
+}
+
+/// A script can tell "no such job" (4) from "try again later" (75, as
+/// `intray work` reads a command's exit): both exited 1.
+async fn exit_codes_tell_a_missing_job_from_a_server_away(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let missing = uuid::Uuid::new_v4().to_string();
+    let output = intray(&server, &["get", &missing]).await;
+    assert_eq!(output.status.code(), Some(4), "{output:?}");
+    let url = server.url();
+    server.stop().await;
+    let output = intray_at(&url, &["get", &missing]).await;
+    assert_eq!(output.status.code(), Some(75), "{output:?}");
 }
 
 /// A job of `queue` that failed on its only attempt.

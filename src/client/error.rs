@@ -45,15 +45,27 @@ pub enum ClientError {
 }
 
 impl ClientError {
-    /// The process exit code for this error: 2 when the input was wrong
-    /// (including a server `INVALID_ARGUMENT`), as clap does for usage errors;
-    /// 3 when a watched job ended other than `succeeded`; 1 for everything
+    /// The process exit code for this error, so that a script can tell
+    /// "no such job" from "server down": 2 when the input was wrong
+    /// (including a server `INVALID_ARGUMENT`), as clap does for usage
+    /// errors; 3 when a watched job ended other than `succeeded`; 4 for
+    /// `NOT_FOUND`; 75 (`EX_TEMPFAIL`, what `intray work` takes from a
+    /// command as "retry it") when trying again later may succeed: the
+    /// server unreachable (but not a TLS handshake that failed: a
+    /// certificate will not be trusted later either) or `UNAVAILABLE`, or
+    /// `RESOURCE_EXHAUSTED` (a full queue, a rate limit); 1 for everything
     /// else.
     pub fn exit_code(&self) -> i32 {
         match self {
             ClientError::BadArgument(_) => 2,
-            ClientError::Status(status) if status.code() == Code::InvalidArgument => 2,
             ClientError::NotSucceeded(_) => 3,
+            ClientError::Connect { source, .. } if !is_tls_failure(source) => 75,
+            ClientError::Status(status) => match status.code() {
+                Code::InvalidArgument => 2,
+                Code::NotFound => 4,
+                Code::Unavailable | Code::ResourceExhausted => 75,
+                _ => 1,
+            },
             _ => 1,
         }
     }
@@ -125,6 +137,25 @@ fn describe_status(status: &tonic::Status) -> String {
     text
 }
 
+/// Whether `error` or one of its sources is a TLS failure (rustls's, which
+/// the transport wraps in an I/O error).
+fn is_tls_failure(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(error) = next {
+        let inner = error
+            .downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref())
+            .map(|inner| inner as &(dyn std::error::Error + 'static));
+        if error.is::<tokio_rustls::rustls::Error>()
+            || inner.is_some_and(|inner| inner.is::<tokio_rustls::rustls::Error>())
+        {
+            return true;
+        }
+        next = error.source();
+    }
+    false
+}
+
 /// An error and its sources joined with ": ", because transport errors put
 /// the useful part ("Connection refused") several levels down.
 fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
@@ -178,6 +209,15 @@ mod tests {
     }
 
     #[test]
+    fn exit_codes_tell_a_missing_job_from_a_server_away() {
+        let code = |code| ClientError::from(tonic::Status::new(code, "x")).exit_code();
+        assert_eq!(code(Code::NotFound), 4);
+        assert_eq!(code(Code::Unavailable), 75);
+        assert_eq!(code(Code::PermissionDenied), 1);
+        assert_eq!(code(Code::FailedPrecondition), 1);
+    }
+
+    #[test]
     fn resource_exhausted_says_when_to_retry() {
         let details = ErrorDetails::with_retry_info(Some(Duration::from_secs(5)));
         let status =
@@ -187,14 +227,14 @@ mod tests {
             error.to_string(),
             "RESOURCE_EXHAUSTED: queue is full\n  retry after 5s"
         );
-        assert_eq!(error.exit_code(), 1);
+        assert_eq!(error.exit_code(), 75, "worth trying again later");
     }
 
     #[test]
     fn plain_status_is_code_and_message() {
         let error = ClientError::from(tonic::Status::not_found("job not found"));
         assert_eq!(error.to_string(), "NOT_FOUND: job not found");
-        assert_eq!(error.exit_code(), 1);
+        assert_eq!(error.exit_code(), 4);
         assert_eq!(ClientError::BadArgument("x".into()).exit_code(), 2);
     }
 }
