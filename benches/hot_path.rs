@@ -176,7 +176,10 @@ fn lease_response(c: &mut Criterion) {
             group.bench_function(format!("{name}/{n}"), |b| {
                 b.iter(|| {
                     pb::LeaseResponse {
-                        jobs: black_box(&jobs).iter().map(convert::leased_job).collect(),
+                        jobs: black_box(&jobs)
+                            .iter()
+                            .map(|job| convert::leased_job(job, true))
+                            .collect(),
                     }
                     .encode_to_vec()
                 })

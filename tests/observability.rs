@@ -40,7 +40,8 @@ backend_tests!(
     metrics_show_the_jobs_made,
     an_attempt_whose_complete_caller_left_is_still_reported,
     an_attempt_whose_complete_batch_caller_left_is_still_reported,
-    a_call_its_client_gave_up_on_is_counted
+    a_call_its_client_gave_up_on_is_counted,
+    without_tracing_a_worker_continues_the_submitters_trace,
 );
 
 /// (PostgreSQL: the call is held on a row lock, and SQLite's writer lock
@@ -317,6 +318,25 @@ async fn an_http_submit_is_traced_like_a_grpc_one(backend: Backend) {
         trace_id,
         "the worker got the caller's trace"
     );
+    server.stop().await;
+}
+
+/// A server that exports no spans hands a worker the submitter's own trace
+/// context, or none: the attempt span's context, which it used to hand,
+/// left the worker's spans under a parent that was never exported.
+async fn without_tracing_a_worker_continues_the_submitters_trace(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client("acme");
+    let mut workers = server.workers_client("acme");
+    let (_, header) = caller_context();
+    jobs.submit(traced_submit(&header, submit_req("plain", "k", json!({}))))
+        .await
+        .expect("Submit");
+    let leased = lease_one(&mut workers, "w", "plain").await;
+    assert_eq!(leased.traceparent, header, "the submitter's, as given");
+    submit(&mut jobs, "plain", "k", json!({})).await;
+    let leased = lease_one(&mut workers, "w", "plain").await;
+    assert_eq!(leased.traceparent, "", "none to continue");
     server.stop().await;
 }
 

@@ -11,7 +11,12 @@
 //! RPC metrics), and a busy worker's next job must come back with it. A
 //! blip of failed heartbeats (injected by a proxy) must not lose the job,
 //! nor an outcome that cannot be reported the job its call brought, and a
-//! heartbeat that hangs must not keep a job running past its lease.
+//! heartbeat that hangs must not keep a job running past its lease. No
+//! payload may end the worker, a payload within the server's limit must
+//! reach it however large it is as protobuf, a rate-limited worker waits
+//! out the server's `RetryInfo`, SIGHUP drains as SIGTERM does (unless it
+//! was ignored at start), and a second stop signal hands the job in hand
+//! back at once.
 
 mod common;
 
@@ -22,8 +27,9 @@ use std::time::{Duration, Instant};
 
 use common::proxy::{self, Fault};
 use common::*;
+use intray::config::RateLimit;
 use intray::pb::{self, JobState as St};
-use nix::sys::signal::{Signal, kill};
+use nix::sys::signal::{SigHandler, Signal, kill};
 use nix::unistd::Pid;
 use serde_json::json;
 use tokio::process::Command;
@@ -34,6 +40,12 @@ common::backend_tests!(
     python_unreported_outcome_holds_the_next_job_back_a_third_of_a_lease,
     python_a_hung_heartbeat_stops_the_job_within_its_lease,
     python_a_success_after_the_grace_stands,
+    python_a_payload_cannot_end_the_worker,
+    python_a_payload_large_as_protobuf_is_run,
+    python_lease_waits_out_the_servers_retry_info,
+    python_sighup_drains,
+    python_started_under_nohup_keeps_running_on_sighup,
+    python_told_twice_to_stop_hands_the_job_back_at_once,
 );
 
 const TENANT: &str = "acme";
@@ -126,7 +138,37 @@ fn error_class(job: &pb::Job) -> String {
 /// The example worker on queue `py` of `addr`, with a lease of
 /// `lease_seconds`, a 1 s long poll and a 1 s shutdown grace.
 fn start_worker(env: &PythonEnv, addr: &str, lease_seconds: u32) -> tokio::process::Child {
-    Command::new(&env.python)
+    worker_command(env, addr, lease_seconds)
+        .spawn()
+        .expect("start the Python worker")
+}
+
+/// As [`start_worker`], with SIGHUP ignored (`SigIgn`, as `nohup` leaves
+/// it) or at its default (`SigDfl`, whatever the test runner left: a CI
+/// job started with `nohup` leaves it ignored, and the worker then rightly
+/// keeps on): the worker inherits that across exec.
+fn start_worker_with_sighup(
+    env: &PythonEnv,
+    addr: &str,
+    lease_seconds: u32,
+    disposition: SigHandler,
+) -> tokio::process::Child {
+    let mut command = worker_command(env, addr, lease_seconds);
+    // SAFETY: between fork and exec the child only calls sigaction, which
+    // is async-signal-safe; SIG_IGN and SIG_DFL install no handler.
+    unsafe {
+        command.pre_exec(move || {
+            nix::sys::signal::signal(Signal::SIGHUP, disposition)
+                .map(drop)
+                .map_err(std::io::Error::from)
+        });
+    }
+    command.spawn().expect("start the Python worker")
+}
+
+fn worker_command(env: &PythonEnv, addr: &str, lease_seconds: u32) -> Command {
+    let mut command = Command::new(&env.python);
+    command
         .arg("-u")
         .arg(manifest_dir().join("examples/python/worker.py"))
         .args(["--addr", addr, "--tenant", TENANT])
@@ -137,9 +179,19 @@ fn start_worker(env: &PythonEnv, addr: &str, lease_seconds: u32) -> tokio::proce
         .arg("--stubs")
         .arg(&env.stubs)
         .stdin(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("start the Python worker")
+        .kill_on_drop(true);
+    command
+}
+
+/// How many `WorkerService/Lease` calls the server at `addr` has answered
+/// with `code`, from its RPC metrics.
+async fn lease_calls(addr: std::net::SocketAddr, code: &str) -> f64 {
+    parse(&scrape(addr).await)
+        .get(&format!(
+            "intray_rpc_responses_total{{method=\"/intray.v1.WorkerService/Lease\",code=\"{code}\"}}"
+        ))
+        .copied()
+        .unwrap_or(0.0)
 }
 
 async fn python_worker_end_to_end(backend: Backend) {
@@ -366,5 +418,236 @@ async fn python_a_success_after_the_grace_stands(backend: Backend) {
     let done = get(&mut jobs, &busy.id).await;
     assert_eq!(state(&done), St::Succeeded, "the success stands: {done:?}");
     assert_eq!(done.attempt, 1);
+    server.stop().await;
+}
+
+/// No payload may end the worker. A failure whose class and message are
+/// not strings raised a `TypeError` while its outcome was built, which
+/// ended the process, and the job then ended every worker that leased it
+/// until its attempts ran out. Now the class goes as text (characters the
+/// server refuses in a class as `_`), a handler that raises on its payload
+/// fails as `handler_exception`, and the same worker runs the next job.
+async fn python_a_payload_cannot_end_the_worker(backend: Backend) {
+    let env = tokio::task::spawn_blocking(python_env)
+        .await
+        .expect("Python setup");
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let mut worker = start_worker(env, &server.addr.to_string(), 3);
+
+    let numeric = submit(
+        &mut jobs,
+        "py",
+        "fail",
+        json!({"error_class": 5, "message": {"why": [1]}, "retryable": false}),
+    )
+    .await;
+    let done = wait_for_state(&mut jobs, &numeric.id, St::Failed, LONG).await;
+    // The 5 crosses as a double, which Python's str() writes as 5.0.
+    let class = error_class(&done);
+    assert!(
+        matches!(class.as_str(), "5" | "5.0"),
+        "the class as text: {class:?}"
+    );
+    let message = done.error.as_ref().map(|e| e.message.clone());
+    assert!(
+        message.as_deref().is_some_and(|m| m.contains("why")),
+        "the message as text: {message:?}"
+    );
+    assert_eq!(done.attempt, 1);
+
+    let spaced = submit(
+        &mut jobs,
+        "py",
+        "fail",
+        json!({"error_class": "not a class!", "retryable": false}),
+    )
+    .await;
+    let done = wait_for_state(&mut jobs, &spaced.id, St::Failed, LONG).await;
+    assert_eq!(error_class(&done), "not_a_class_");
+
+    // `payload.get` on a string raises: one attempt, so that it fails now.
+    let unreadable = submit_with(
+        &mut jobs,
+        pb::SubmitRequest {
+            max_attempts: Some(1),
+            ..submit_req("py", "fail", json!("not an object"))
+        },
+    )
+    .await;
+    let done = wait_for_state(&mut jobs, &unreadable.id, St::Failed, LONG).await;
+    assert_eq!(error_class(&done), "handler_exception");
+
+    let next = submit(&mut jobs, "py", "echo", json!({"after": "the failures"})).await;
+    let done = wait_for_state(&mut jobs, &next.id, St::Succeeded, LONG).await;
+    assert_eq!(done.attempt, 1);
+    assert!(
+        worker.try_wait().expect("poll the Python worker").is_none(),
+        "the Python worker still runs"
+    );
+    worker.kill().await.expect("stop the Python worker");
+    server.stop().await;
+}
+
+/// A payload within the server's 1 MiB of JSON can be five times that as
+/// protobuf (`google.protobuf.Value` spends 11 bytes on a `0,`): 460,000
+/// zeros are 920 kB of JSON and over 5 MB in the `Lease` answer. With
+/// grpcio's default 4 MiB receive limit the worker refused the answer
+/// after the server had handed the job over: the job was never run, and
+/// came back at each lease's end to fail so again.
+async fn python_a_payload_large_as_protobuf_is_run(backend: Backend) {
+    let env = tokio::task::spawn_blocking(python_env)
+        .await
+        .expect("Python setup");
+    let payload = json!({ "zeros": vec![0; 460_000] });
+    let as_json = serde_json::to_vec(&payload).expect("JSON").len();
+    assert!(as_json < 1024 * 1024, "within the payload limit: {as_json}");
+    let as_protobuf = prost::Message::encoded_len(&json_to_value(payload.clone()));
+    assert!(
+        as_protobuf > 4 * 1024 * 1024,
+        "past grpcio's default limit: {as_protobuf}"
+    );
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    // Seconds of JSON conversion in Python: a lease that is not tight.
+    let mut worker = start_worker(env, &server.addr.to_string(), 10);
+    let big = submit(&mut jobs, "py", "echo", payload).await;
+    // Its events, not Get: each Get would carry the 5 MB payload.
+    let events = watch_all(&mut jobs, &big.id, 0, LONG).await;
+    assert_eq!(
+        events.last().map(event_type),
+        Some(pb::JobEventType::Succeeded),
+        "{:?}",
+        event_types(&events)
+    );
+    let done = get(&mut jobs, &big.id).await;
+    assert_eq!(done.attempt, 1, "run on its first lease");
+    let echoed = done
+        .result
+        .as_ref()
+        .map(value_to_json)
+        .and_then(|r| r["echo"]["zeros"].as_array().map(Vec::len));
+    assert_eq!(echoed, Some(460_000));
+    worker.kill().await.expect("stop the Python worker");
+    server.stop().await;
+}
+
+/// A server that limits the worker's rate answers `RESOURCE_EXHAUSTED`
+/// with a `RetryInfo` saying when the next call will pass, and the worker
+/// waits that out rather than its own backoff, from 0.1 s. At one call
+/// each 2 s (burst 1) against a 1 s long poll, an answered `Lease` is
+/// followed by about one refused; ignoring the delay, by four or five (15
+/// refused to 4 answered in 8 s, by hand).
+async fn python_lease_waits_out_the_servers_retry_info(backend: Backend) {
+    let env = tokio::task::spawn_blocking(python_env)
+        .await
+        .expect("Python setup");
+    let server = TestServer::start_with(backend, |s| {
+        s.rate_limit = Some(RateLimit {
+            per_second: 0.5,
+            burst: 1,
+        });
+    })
+    .await;
+    let mut worker = start_worker(env, &server.addr.to_string(), 3);
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let answered = lease_calls(server.http_addr, "OK").await;
+    let refused = lease_calls(server.http_addr, "RESOURCE_EXHAUSTED").await;
+    assert!(answered >= 2.0, "the worker leased on: {answered} answered");
+    assert!(
+        refused >= 1.0,
+        "the rate limit was reached: {refused} refused"
+    );
+    assert!(
+        refused <= answered + 2.0,
+        "{refused} refused to {answered} answered: the retries did not wait for the server"
+    );
+    assert!(
+        worker.try_wait().expect("poll the Python worker").is_none(),
+        "the Python worker still runs"
+    );
+    worker.kill().await.expect("stop the Python worker");
+    server.stop().await;
+}
+
+/// A closed terminal (SIGHUP) drains the worker as SIGTERM does: by
+/// default it ended the worker mid-job, and the job waited out its lease.
+async fn python_sighup_drains(backend: Backend) {
+    let env = tokio::task::spawn_blocking(python_env)
+        .await
+        .expect("Python setup");
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let mut worker = start_worker_with_sighup(env, &server.addr.to_string(), 6, SigHandler::SigDfl);
+    let long = submit(&mut jobs, "py", "sleep", json!({"seconds": 60})).await;
+    wait_for_state(&mut jobs, &long.id, St::Running, LONG).await;
+    let pid = worker.id().expect("worker pid");
+    kill(Pid::from_raw(pid as i32), Signal::SIGHUP).expect("signal the worker");
+    let status = within(LONG, "the Python worker to exit", worker.wait())
+        .await
+        .expect("wait for the Python worker");
+    assert!(status.success(), "the Python worker exited with {status}");
+    let back = get(&mut jobs, &long.id).await;
+    assert_eq!(state(&back), St::Queued, "handed back: {back:?}");
+    assert_eq!(error_class(&back), "worker_shutdown");
+    server.stop().await;
+}
+
+/// Started with SIGHUP ignored (`nohup`), a closed terminal stops nothing:
+/// the worker goes on leasing, as its starter asked.
+async fn python_started_under_nohup_keeps_running_on_sighup(backend: Backend) {
+    let env = tokio::task::spawn_blocking(python_env)
+        .await
+        .expect("Python setup");
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let mut worker = start_worker_with_sighup(env, &server.addr.to_string(), 3, SigHandler::SigIgn);
+    let first = submit(&mut jobs, "py", "echo", json!({"n": 1})).await;
+    wait_for_state(&mut jobs, &first.id, St::Succeeded, LONG).await;
+    let pid = worker.id().expect("worker pid");
+    kill(Pid::from_raw(pid as i32), Signal::SIGHUP).expect("signal the worker");
+    // Time for a drain to end the parked long poll, were one started.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let after = submit(&mut jobs, "py", "echo", json!({"n": 2})).await;
+    wait_for_state(&mut jobs, &after.id, St::Succeeded, LONG).await;
+    assert!(
+        worker.try_wait().expect("poll the Python worker").is_none(),
+        "the Python worker still runs"
+    );
+    worker.kill().await.expect("stop the Python worker");
+    server.stop().await;
+}
+
+/// Told twice to stop, the worker does not wait for the job in hand: a
+/// 30 s blocking job, deaf to its cancel flag, is handed back as
+/// `worker_shutdown` at the second SIGTERM and the worker exits. The
+/// second signal was ignored: the job ran on to its end, past the grace.
+async fn python_told_twice_to_stop_hands_the_job_back_at_once(backend: Backend) {
+    let env = tokio::task::spawn_blocking(python_env)
+        .await
+        .expect("Python setup");
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let mut worker = start_worker(env, &server.addr.to_string(), 6);
+    let busy = submit(&mut jobs, "py", "busy", json!({"seconds": 30})).await;
+    wait_for_state(&mut jobs, &busy.id, St::Running, LONG).await;
+    let pid = Pid::from_raw(worker.id().expect("worker pid") as i32);
+    kill(pid, Signal::SIGTERM).expect("signal the worker");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    kill(pid, Signal::SIGTERM).expect("signal the worker again");
+    let told_again = Instant::now();
+    let status = within(LONG, "the Python worker to exit", worker.wait())
+        .await
+        .expect("wait for the Python worker");
+    assert!(status.success(), "the Python worker exited with {status}");
+    assert!(
+        told_again.elapsed() < Duration::from_secs(5),
+        "exited {:?} after the second SIGTERM",
+        told_again.elapsed()
+    );
+    let back = get(&mut jobs, &busy.id).await;
+    assert_eq!(state(&back), St::Queued, "handed back: {back:?}");
+    assert_eq!(error_class(&back), "worker_shutdown");
+    assert_eq!(back.attempt, 1);
     server.stop().await;
 }

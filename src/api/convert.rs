@@ -206,8 +206,12 @@ pub fn job(j: &Job) -> pb::Job {
     }
 }
 
-/// A claimed job as `Lease` hands it to a worker.
-pub fn leased_job(j: &Job) -> pb::LeasedJob {
+/// A claimed job as `Lease` hands it to a worker. With `attempt_spans`
+/// (this server exports them) its `traceparent` is the attempt span's
+/// context; without, it is the submitter's as given, or none: a worker's
+/// spans under an attempt span nobody exports hung from a parent that
+/// never existed.
+pub fn leased_job(j: &Job, attempt_spans: bool) -> pb::LeasedJob {
     pb::LeasedJob {
         job_id: j.id.to_string(),
         queue: j.queue.clone(),
@@ -218,14 +222,12 @@ pub fn leased_job(j: &Job) -> pb::LeasedJob {
         lease_token: j.lease_token.clone().unwrap_or_default(),
         lease_expires_at: opt_timestamp(j.lease_expires_at),
         deadline: opt_timestamp(j.deadline),
-        // The attempt span's context, so the worker's spans nest under it.
-        traceparent: j
-            .lease_token
-            .as_deref()
-            .map(|token| {
+        traceparent: match j.lease_token.as_deref() {
+            Some(token) if attempt_spans => {
                 TraceParent::for_attempt(j.id, j.trace_parent.as_deref(), token).to_string()
-            })
-            .unwrap_or_default(),
+            }
+            _ => j.trace_parent.clone().unwrap_or_default(),
+        },
         tenant: j.tenant.clone(),
     }
 }

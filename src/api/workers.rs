@@ -38,6 +38,12 @@ pub struct WorkersApi {
 }
 
 impl WorkersApi {
+    /// Whether this server exports attempt spans, for leased jobs'
+    /// `traceparent`.
+    fn attempt_spans(&self) -> bool {
+        self.ctx.observer.tracing().tracer().is_some()
+    }
+
     /// A service over the given context.
     pub fn new(ctx: Context) -> Self {
         WorkersApi {
@@ -247,7 +253,10 @@ impl WorkerService for WorkersApi {
         let jobs = self.claim_or_wait(&tenant, &spec, &mut grant).await?;
         self.ctx.observer.leased(&jobs);
         Ok(Response::new(pb::LeaseResponse {
-            jobs: jobs.iter().map(convert::leased_job).collect(),
+            jobs: jobs
+                .iter()
+                .map(|job| convert::leased_job(job, self.attempt_spans()))
+                .collect(),
         }))
     }
 
@@ -349,7 +358,10 @@ impl WorkerService for WorkersApi {
         self.ctx.observer.leased(&jobs);
         Ok(Response::new(pb::CompleteAndLeaseResponse {
             results,
-            jobs: jobs.iter().map(convert::leased_job).collect(),
+            jobs: jobs
+                .iter()
+                .map(|job| convert::leased_job(job, self.attempt_spans()))
+                .collect(),
         }))
     }
 }
