@@ -34,6 +34,7 @@ COPY --from=builder /usr/local/bin/intray /usr/local/bin/intray
 USER 10001:10001
 # The default SQLite file (sqlite://intray.db) lands here; mount a volume to keep it.
 WORKDIR /var/lib/intray
-EXPOSE 50051
+# gRPC, and HTTP (JSON API, dashboard, /metrics, health).
+EXPOSE 50051 8080
 ENTRYPOINT ["/usr/local/bin/intray"]
 CMD ["serve"]

@@ -436,6 +436,16 @@ async fn a_failed_then_successful_job_is_one_trace(backend: Backend) {
     assert_eq!(attr(a1, "worker.id").as_deref(), Some("w-1"));
     assert_eq!(attr(a1, "job.outcome").as_deref(), Some("retry_scheduled"));
     assert_eq!(attr(a1, "error.class").as_deref(), Some("rate_limited"));
+    assert_eq!(attr(a1, "error.type").as_deref(), Some("rate_limited"));
+    assert_eq!(attr(a1, "messaging.system").as_deref(), Some("intray"));
+    assert_eq!(
+        attr(a1, "messaging.operation.type").as_deref(),
+        Some("process")
+    );
+    assert_eq!(
+        attr(a1, "messaging.destination.name").as_deref(),
+        Some("obs")
+    );
     assert_eq!(attr(a1, "job.cost_cents").as_deref(), Some("2"));
     assert_eq!(status_code(a1), StatusCode::Error as i32);
     assert_eq!(attr(a2, "worker.id").as_deref(), Some("w-2"));

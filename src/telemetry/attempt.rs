@@ -121,12 +121,19 @@ pub fn emit_span(tracer: &SdkTracer, ended: &Ended, summary: &AttemptSummary) {
         KeyValue::new("job.attempt", i64::from(ended.attempt.number)),
         KeyValue::new("job.outcome", summary.outcome),
         KeyValue::new("job.cost_cents", summary.cost_cents),
+        // OpenTelemetry's messaging conventions for a consumer span, so
+        // that backends that group by them find the attempts.
+        KeyValue::new("messaging.system", "intray"),
+        KeyValue::new("messaging.operation.type", "process"),
+        KeyValue::new("messaging.destination.name", job.queue.clone()),
     ];
     if let Some(worker) = &ended.attempt.worker_id {
         attributes.push(KeyValue::new("worker.id", worker.clone()));
     }
     if let Some(class) = &summary.error_class {
         attributes.push(KeyValue::new("error.class", class.clone()));
+        // The conventions' name for the same.
+        attributes.push(KeyValue::new("error.type", class.clone()));
     }
     if let Some(wait) = summary.queue_wait {
         attributes.push(KeyValue::new(
