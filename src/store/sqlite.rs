@@ -140,18 +140,29 @@ pub async fn migrate(url: &str, strict: bool) -> StoreResult<()> {
     Ok(())
 }
 
-/// An exclusive `flock` on the database file, to hold while migrations
-/// run. sqlx's SQLite migrator takes no lock (on PostgreSQL it takes an
-/// advisory one): two processes starting together on a new file both
-/// applied the first migration, and the second to commit failed ("table
-/// jobs already exists") and exited. The file must exist. SQLite's own
-/// locks are POSIX record locks, which a `flock` leaves alone.
+/// An exclusive `flock` on `<database>-migrate-lock` beside the database
+/// file, to hold while migrations run. sqlx's SQLite migrator takes no
+/// lock (on PostgreSQL it takes an advisory one): two processes starting
+/// together on a new file both applied the first migration, and the
+/// second to commit failed ("table jobs already exists") and exited.
+///
+/// Never the database file itself: closing any descriptor of a file drops
+/// every POSIX lock the process holds on it, SQLite's own among them, and
+/// another process could then take the database for unused, checkpoint it
+/// and delete the write-ahead log a live connection still writes to.
 async fn lock_for_migrations(options: &SqliteConnectOptions) -> StoreResult<Flock<std::fs::File>> {
-    let path = options.get_filename().to_owned();
+    let mut path = options.get_filename().as_os_str().to_owned();
+    path.push("-migrate-lock");
+    let path = std::path::PathBuf::from(path);
     tokio::task::spawn_blocking(move || {
-        let file = std::fs::File::open(&path).map_err(|err| {
-            StoreError::Internal(format!("cannot open {} to lock it: {err}", path.display()))
-        })?;
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|err| {
+                StoreError::Internal(format!("cannot open {} to lock it: {err}", path.display()))
+            })?;
         Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, errno)| {
             StoreError::Internal(format!(
                 "cannot lock {} for migrations: {errno}",
@@ -1701,6 +1712,47 @@ mod tests {
             second.unwrap_or_else(|e| panic!("round {round}: the second migrate: {e}"));
             opened.unwrap_or_else(|e| panic!("round {round}: the open: {e}"));
         }
+    }
+
+    /// Opening the store leaves SQLite's own locks on the database file in
+    /// place: the migration lock was once taken on that file, and closing
+    /// it dropped every POSIX lock the process held there, so another
+    /// process took the live database for unused (/proc/locks shows the
+    /// locks by inode and pid).
+    #[tokio::test]
+    async fn opening_keeps_sqlites_own_locks() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("locks.db");
+        let settings = Settings::new(format!("sqlite://{}", path.display()));
+        let locks_held = || {
+            let inode = std::fs::metadata(&path).expect("the database file").ino();
+            let pid = std::process::id().to_string();
+            std::fs::read_to_string("/proc/locks")
+                .expect("/proc/locks")
+                .lines()
+                .filter(|line| {
+                    let fields: Vec<&str> = line.split_whitespace().collect();
+                    fields.get(1) == Some(&"POSIX")
+                        && fields.get(4) == Some(&pid.as_str())
+                        && fields
+                            .get(5)
+                            .is_some_and(|id| id.ends_with(&format!(":{inode}")))
+                })
+                .count()
+        };
+        let store = SqliteStore::open(&settings, Arc::new(Notifier::new()))
+            .await
+            .expect("open");
+        store
+            .get("t", Uuid::new_v4())
+            .await
+            .expect_err("no such job");
+        assert!(locks_held() > 0, "SQLite's locks on the file are held");
+        migrate(&settings.database_url, false)
+            .await
+            .expect("a migrate beside the open store");
+        assert!(locks_held() > 0, "and still held after a migrate beside it");
     }
 
     /// An in-memory database is refused: it would vanish whenever the
