@@ -117,14 +117,17 @@ async fn run() -> ExitCode {
 
 async fn serve(args: ServeArgs) -> ExitCode {
     // Built inside the runtime: the OTLP exporter's channel needs it.
-    let tracing_pipeline = match intray::telemetry::Tracing::from_env() {
-        Ok(pipeline) => pipeline,
+    let (tracing_pipeline, tracing_warnings) = match intray::telemetry::Tracing::from_env() {
+        Ok(built) => built,
         Err(err) => {
             eprintln!("error: {err}");
             return ExitCode::from(2);
         }
     };
     intray::telemetry::init(args.log_format, &tracing_pipeline);
+    for warning in tracing_warnings {
+        tracing::warn!("{warning}");
+    }
     let mut settings = match args.settings() {
         Ok(settings) => settings,
         Err(err) => {

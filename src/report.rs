@@ -28,8 +28,9 @@ pub fn redacted_url(url: &str) -> String {
     let Some(scheme) = url.find("://") else {
         return url.to_owned();
     };
-    let (base, query) = match url.split_once('?') {
-        Some((base, query)) => (base, Some(query)),
+    // The query starts after the scheme: a `?` before it is not one.
+    let (base, query) = match url[scheme..].find('?') {
+        Some(at) => (&url[..scheme + at], Some(&url[scheme + at + 1..])),
         None => (url, None),
     };
     let rest = &base[scheme + 3..];
@@ -87,6 +88,7 @@ mod tests {
         );
         assert_eq!(redacted_url("sqlite:///tmp/a@b.db"), "sqlite:///tmp/a@b.db");
         assert_eq!(redacted_url("two words?"), "two words?");
+        assert_eq!(redacted_url("x?y://u:p@z"), "x?y://u:***@z");
     }
 
     #[derive(Debug, thiserror::Error)]

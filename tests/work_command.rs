@@ -46,7 +46,8 @@ case "$INTRAY_KIND" in
     echo "plain words" ;;
   env)
     leaked=$(tr '\0' '\n' < "/proc/$PPID/environ" 2>/dev/null | grep -c '^INTRAY_TOKEN=')
-    printf '"%s %s"' "${INTRAY_TOKEN-unset}${INTRAY_CLIENT_KEY-}" "${leaked:-0}" ;;
+    own=$(tr '\0' '\n' < "/proc/$$/environ" 2>/dev/null | grep -c '^INTRAY_JOB_ID=')
+    printf '"%s %s %s"' "${INTRAY_TOKEN-unset}${INTRAY_CLIENT_KEY-}" "${leaked:-0}" "${own:-0}" ;;
   tempfail)
     if [ "$INTRAY_ATTEMPT" = 1 ]; then echo "upstream busy, try later" >&2; exit 75; fi
     echo '"ok on retry"' ;;
@@ -252,8 +253,9 @@ async fn work_success(backend: Backend) {
     let done = wait_for_state(&mut jobs, &env.id, St::Succeeded, LONG).await;
     assert_eq!(
         done.result.as_ref().map(value_to_json),
-        Some(json!("unset 0")),
-        "the worker's token is kept from its commands, and from its /proc environ"
+        Some(json!("unset 0 1")),
+        "the worker's token is kept from its commands, and from its /proc environ \
+         (which the command's own, readable, shows is not for want of /proc)"
     );
     worker.stop().await;
     server.stop().await;

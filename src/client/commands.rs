@@ -224,7 +224,14 @@ pub(crate) fn endpoint(opts: &ClientOpts) -> Result<(String, Endpoint), ClientEr
     }
     let endpoint = endpoint
         .tls_config(tls)
-        .map_err(|e| ClientError::BadArgument(format!("tls for {addr:?}: {e}")))?;
+        // tonic's own text is only its kind ("transport error"); the cause
+        // (no system roots, say) is further down.
+        .map_err(|e| {
+            ClientError::BadArgument(format!(
+                "tls for {addr:?}: {}",
+                crate::report::with_causes(&e)
+            ))
+        })?;
     Ok((addr, endpoint))
 }
 

@@ -134,6 +134,9 @@ pub fn emit_span(tracer: &SdkTracer, ended: &Ended, summary: &AttemptSummary) {
         attributes.push(KeyValue::new("error.class", class.clone()));
         // The conventions' name for the same.
         attributes.push(KeyValue::new("error.type", class.clone()));
+    } else if summary.is_error {
+        // The conventions' value for an error without a known type.
+        attributes.push(KeyValue::new("error.type", "_OTHER"));
     }
     if let Some(wait) = summary.queue_wait {
         attributes.push(KeyValue::new(

@@ -42,17 +42,20 @@ impl Tracing {
         Tracing::default()
     }
 
-    /// The pipeline the environment asks for (see [`endpoint_from`]). The
+    /// The pipeline the environment asks for (see [`settings_from`]), and
+    /// the warnings to log once logging is up. The
     /// sampler (`OTEL_TRACES_SAMPLER[_ARG]`), resource
     /// (`OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`), batching
     /// (`OTEL_BSP_*`) and export timeout (`OTEL_EXPORTER_OTLP[_TRACES]_TIMEOUT`,
     /// 10 s by default) are read by the SDK itself. Must run inside a tokio
     /// runtime.
-    pub fn from_env() -> Result<Tracing, TracingError> {
-        match endpoint_from(|name| std::env::var(name).ok())? {
-            Some(endpoint) => Tracing::to_endpoint(&endpoint),
-            None => Ok(Tracing::off()),
-        }
+    pub fn from_env() -> Result<(Tracing, Vec<String>), TracingError> {
+        let settings = settings_from(|name| std::env::var(name).ok());
+        let tracing = match &settings.endpoint {
+            Some(endpoint) => Tracing::to_endpoint(endpoint)?,
+            None => Tracing::off(),
+        };
+        Ok((tracing, settings.warnings))
     }
 
     /// A pipeline exporting to `endpoint` (`http://host:4317`). Must run
@@ -112,50 +115,64 @@ impl Tracing {
     }
 }
 
-/// Where the variables `env` reads ask traces to go: the collector of
+/// What the `OTEL_*` variables ask of the trace pipeline.
+#[derive(Debug, Default, PartialEq)]
+pub struct TraceSettings {
+    /// The collector, or `None`: tracing off.
+    pub endpoint: Option<String>,
+    /// What was asked and cannot be done, for the log once it is up (the
+    /// pipeline is built before logging, whose layer needs it, and a
+    /// warning logged then was lost).
+    pub warnings: Vec<String>,
+}
+
+/// What the variables `env` reads ask: the collector of
 /// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, else `OTEL_EXPORTER_OTLP_ENDPOINT`;
-/// `None` (off) with neither, or with `OTEL_SDK_DISABLED=true` or
-/// `OTEL_TRACES_EXPORTER=none`. What cannot be honoured is refused rather
-/// than ignored: only OTLP over gRPC is built in, and an `http/protobuf`
-/// endpoint (port 4318, the OpenTelemetry default) sent gRPC to an HTTP
-/// port and lost every span, its one warning logged before logging was up.
-pub fn endpoint_from(env: impl Fn(&str) -> Option<String>) -> Result<Option<String>, TracingError> {
+/// none (off) with neither, with `OTEL_SDK_DISABLED=true`, or with an
+/// `OTEL_TRACES_EXPORTER` list without `otlp`. Only OTLP over gRPC is built
+/// in: another protocol asked for gets a warning and gRPC, since such a
+/// setting is often made for a whole cluster while intray's endpoint is a
+/// gRPC one, and refusing to start over it would make a tracing setting an
+/// outage.
+pub fn settings_from(env: impl Fn(&str) -> Option<String>) -> TraceSettings {
     let set = |name: &str| {
         env(name)
             .map(|v| v.trim().to_owned())
             .filter(|v| !v.is_empty())
     };
+    let mut settings = TraceSettings::default();
     if set("OTEL_SDK_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true")) {
-        return Ok(None);
+        return settings;
     }
-    match set("OTEL_TRACES_EXPORTER").as_deref() {
-        None | Some("otlp") => {}
-        Some("none") => return Ok(None),
-        Some(other) => {
-            return Err(TracingError(format!(
-                "OTEL_TRACES_EXPORTER={other}: only otlp (or none) is built in"
-            )));
+    if let Some(exporters) = set("OTEL_TRACES_EXPORTER")
+        && !exporters.split(',').any(|e| e.trim() == "otlp")
+    {
+        if exporters.split(',').any(|e| e.trim() != "none") {
+            settings.warnings.push(format!(
+                "OTEL_TRACES_EXPORTER={exporters}: only otlp is built in; tracing is off"
+            ));
+        }
+        return settings;
+    }
+    settings.endpoint =
+        set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").or_else(|| set("OTEL_EXPORTER_OTLP_ENDPOINT"));
+    if let Some(endpoint) = &settings.endpoint {
+        let protocol = [
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
+        ]
+        .into_iter()
+        .find_map(|name| set(name).map(|value| (name, value)));
+        if let Some((name, protocol)) = protocol
+            && protocol != "grpc"
+        {
+            settings.warnings.push(format!(
+                "{name}={protocol}: only OTLP over gRPC is built in; exporting over gRPC to \
+                 {endpoint} (an HTTP endpoint, port 4318, gets no spans)"
+            ));
         }
     }
-    let Some(endpoint) =
-        set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").or_else(|| set("OTEL_EXPORTER_OTLP_ENDPOINT"))
-    else {
-        return Ok(None);
-    };
-    for name in [
-        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
-        "OTEL_EXPORTER_OTLP_PROTOCOL",
-    ] {
-        if let Some(protocol) = set(name) {
-            if protocol != "grpc" {
-                return Err(TracingError(format!(
-                    "{name}={protocol}: only OTLP over gRPC is built in; set grpc and a gRPC endpoint (port 4317)"
-                )));
-            }
-            break;
-        }
-    }
-    Ok(Some(endpoint))
+    settings
 }
 
 /// The environment's resource, named `intray` unless it names itself.
@@ -226,28 +243,33 @@ pub(crate) fn with_ids<T>(trace_id: TraceId, span_id: SpanId, build: impl FnOnce
 mod tests {
     use super::*;
 
-    fn endpoint(vars: &[(&str, &str)]) -> Result<Option<String>, TracingError> {
-        endpoint_from(|name| {
+    fn settings(vars: &[(&str, &str)]) -> TraceSettings {
+        settings_from(|name| {
             vars.iter()
                 .find(|(n, _)| *n == name)
                 .map(|(_, v)| (*v).to_owned())
         })
     }
 
+    fn endpoint(vars: &[(&str, &str)]) -> Option<String> {
+        let settings = settings(vars);
+        assert!(settings.warnings.is_empty(), "{:?}", settings.warnings);
+        settings.endpoint
+    }
+
     #[test]
     fn the_environment_names_the_collector_or_turns_tracing_off() {
         let at = "http://collector:4317";
-        assert_eq!(endpoint(&[]).expect("off"), None);
+        assert_eq!(endpoint(&[]), None);
         assert_eq!(
-            endpoint(&[("OTEL_EXPORTER_OTLP_ENDPOINT", at)]).expect("on"),
+            endpoint(&[("OTEL_EXPORTER_OTLP_ENDPOINT", at)]),
             Some(at.to_owned())
         );
         assert_eq!(
             endpoint(&[
                 ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://other:4317"),
                 ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", at),
-            ])
-            .expect("on"),
+            ]),
             Some(at.to_owned()),
             "the traces endpoint first"
         );
@@ -256,40 +278,51 @@ mod tests {
             ("OTEL_TRACES_EXPORTER", "none"),
         ] {
             assert_eq!(
-                endpoint(&[("OTEL_EXPORTER_OTLP_ENDPOINT", at), off]).expect("off"),
+                endpoint(&[("OTEL_EXPORTER_OTLP_ENDPOINT", at), off]),
                 None,
                 "{off:?}"
             );
         }
-        assert_eq!(
-            endpoint(&[
-                ("OTEL_EXPORTER_OTLP_ENDPOINT", at),
-                ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
-                ("OTEL_TRACES_EXPORTER", "otlp"),
-            ])
-            .expect("on"),
-            Some(at.to_owned())
-        );
+        for exporters in ["otlp", "otlp,console", " console , otlp"] {
+            assert_eq!(
+                endpoint(&[
+                    ("OTEL_EXPORTER_OTLP_ENDPOINT", at),
+                    ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+                    ("OTEL_TRACES_EXPORTER", exporters),
+                ]),
+                Some(at.to_owned()),
+                "{exporters}"
+            );
+        }
     }
 
     #[test]
-    fn what_cannot_be_honoured_is_refused() {
-        let at = ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318");
-        let refused = endpoint(&[at, ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")])
-            .expect_err("HTTP is not built in");
-        assert!(refused.to_string().contains("http/protobuf"), "{refused}");
-        let refused = endpoint(&[
+    fn what_cannot_be_honoured_is_said_once_logging_is_up() {
+        let at = ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317");
+        let http = settings(&[at, ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")]);
+        assert_eq!(http.endpoint.as_deref(), Some(at.1), "exported over gRPC");
+        assert!(
+            http.warnings.len() == 1 && http.warnings[0].contains("http/protobuf"),
+            "{:?}",
+            http.warnings
+        );
+        let traces_first = settings(&[
             at,
             ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
             ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json"),
-        ])
-        .expect_err("the traces protocol first");
-        assert!(refused.to_string().contains("TRACES_PROTOCOL"), "{refused}");
-        assert!(endpoint(&[at, ("OTEL_TRACES_EXPORTER", "zipkin")]).is_err());
+        ]);
+        assert!(
+            traces_first.warnings[0].contains("TRACES_PROTOCOL"),
+            "{:?}",
+            traces_first.warnings
+        );
+        let zipkin = settings(&[at, ("OTEL_TRACES_EXPORTER", "zipkin")]);
+        assert_eq!(zipkin.endpoint, None, "not an exporter built in: off");
+        assert_eq!(zipkin.warnings.len(), 1);
         assert_eq!(
-            endpoint(&[("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")]).expect("off"),
-            None,
-            "no endpoint, nothing to refuse"
+            settings(&[("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")]),
+            TraceSettings::default(),
+            "no endpoint: off, nothing to say"
         );
     }
 }
