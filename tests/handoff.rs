@@ -64,12 +64,26 @@ async fn server(backend: Backend) -> TestServer {
 /// Time for a `Lease` call to find nothing and park.
 const PARK: Duration = Duration::from_millis(300);
 
+/// Waits until `n` `Lease` calls wait on `server` (its long-poll gauge),
+/// then for their first claim to find nothing and park: the sleep alone
+/// lost the race on a loaded machine, before the calls had even arrived.
+async fn parked(server: &TestServer, n: usize) {
+    let line = format!("intray_long_polling_workers {n}\n");
+    within(Duration::from_secs(10), "the Lease calls to wait", async {
+        while !scrape(server.http_addr).await.contains(&line) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    tokio::time::sleep(PARK).await;
+}
+
 async fn idle_worker_gets_the_job_in_the_submit(backend: Backend) {
     let server = server(backend).await;
     let mut jobs = server.jobs_client("t");
     let mut workers = server.workers_client("t");
     let waiter = wait_for_jobs(&server, "idle", "h", &[], Duration::from_secs(10));
-    tokio::time::sleep(PARK).await;
+    parked(&server, 1).await;
 
     // The submit's answer already shows the lease: one commit did both.
     let job = submit(&mut jobs, "h", "k", json!({"n": 1})).await;
@@ -159,7 +173,7 @@ async fn kinds_filter_and_pause_keep_jobs_queued(backend: Backend) {
     let server = server(backend).await;
     let mut jobs = server.jobs_client("t");
     let waiter = wait_for_jobs(&server, "picky", "f", &["wanted"], Duration::from_secs(10));
-    tokio::time::sleep(PARK).await;
+    parked(&server, 1).await;
     let other = submit(&mut jobs, "f", "other", json!({})).await;
     assert_eq!(
         state(&other),
@@ -181,7 +195,7 @@ async fn kinds_filter_and_pause_keep_jobs_queued(backend: Backend) {
         .await
         .expect("PauseQueue");
     let waiter = wait_for_jobs(&server, "paused", "p", &[], Duration::from_millis(1500));
-    tokio::time::sleep(PARK).await;
+    parked(&server, 1).await;
     let held = submit(&mut jobs, "p", "k", json!({})).await;
     assert_eq!(state(&held), St::Queued, "a paused queue hands nothing off");
     let leased = within(Duration::from_secs(5), "the paused Lease", waiter)
@@ -200,7 +214,7 @@ async fn batch_spreads_over_idle_workers(backend: Backend) {
     let waiters: Vec<_> = (0..3)
         .map(|i| wait_for_jobs(&server, &format!("w{i}"), "b", &[], Duration::from_secs(10)))
         .collect();
-    tokio::time::sleep(PARK).await;
+    parked(&server, 3).await;
     let batch = jobs
         .submit_batch(pb::SubmitBatchRequest {
             jobs: (0..5)
@@ -261,7 +275,7 @@ async fn a_batch_whose_caller_left_still_reaches_the_idle_worker() {
     let mut holder = sqlx::PgConnection::connect(&url).await.expect("connect");
     let mut watcher = sqlx::PgConnection::connect(&url).await.expect("connect");
     let waiter = wait_for_jobs(&server, "idle", "left", &[], Duration::from_secs(20));
-    tokio::time::sleep(PARK).await;
+    parked(&server, 1).await;
 
     take_key(&mut holder, &other.id).await;
     let caller = tokio::spawn(async move {
@@ -312,7 +326,7 @@ async fn a_lease_reserved_by_a_stalled_submit_ends_near_its_wait() {
     let mut holder = sqlx::PgConnection::connect(&url).await.expect("connect");
     let mut watcher = sqlx::PgConnection::connect(&url).await.expect("connect");
     let waiter = wait_for_jobs(&server, "idle", "stalled", &[], Duration::from_secs(2));
-    tokio::time::sleep(PARK).await;
+    parked(&server, 1).await;
 
     take_key(&mut holder, &other.id).await;
     let submitter = tokio::spawn(async move {

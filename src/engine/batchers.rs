@@ -113,6 +113,7 @@ impl Batchers {
             .work
             .call(tenant.to_owned(), Work::Lease(spec.clone()))
             .await?
+            .read()?
         {
             Done::Leased(jobs) => jobs,
             Done::Completed(_) | Done::Both(..) => Err(mismatched()),
@@ -130,6 +131,7 @@ impl Batchers {
             .work
             .call(tenant.to_owned(), Work::Complete(spec))
             .await?
+            .read()?
         {
             Done::Completed(ended) => {
                 if let Ok(ended) = ended.as_ref() {
@@ -188,6 +190,7 @@ impl Batchers {
                 Work::CompleteAndLease(items, spec.clone()),
             )
             .await?
+            .read()?
         {
             Done::Both(ended, leased) => {
                 self.observer.ended_all(&ended);
@@ -238,6 +241,41 @@ enum Done {
     Both(Vec<StoreResult<Ended>>, StoreResult<Vec<Job>>),
 }
 
+/// One caller's [`Done`], as a shared transaction sends it. Dropped unread
+/// (its caller went away before it was sent, or after, before reading it),
+/// it reports the attempts its outcomes ended, as the caller would have,
+/// and gives back the jobs claimed for it: a lease nobody holds would sit
+/// out its length and cost its job an attempt.
+struct Answer {
+    done: Option<Done>,
+    store: Arc<dyn Store>,
+    observer: Arc<Observer>,
+}
+
+impl Answer {
+    /// The answer, for its caller to report and hand on.
+    fn read(mut self) -> StoreResult<Done> {
+        self.done.take().ok_or_else(mismatched)
+    }
+}
+
+impl Drop for Answer {
+    fn drop(&mut self) {
+        let Some(done) = self.done.take() else {
+            return;
+        };
+        let (ended, leased) = match done {
+            Done::Leased(leased) => (Vec::new(), Some(leased)),
+            Done::Completed(ended) => (vec![*ended], None),
+            Done::Both(ended, leased) => (ended, Some(leased)),
+        };
+        self.observer.ended_all(&ended);
+        if let Some(Ok(jobs)) = leased {
+            handoff::give_back(&self.store, jobs);
+        }
+    }
+}
+
 /// What one call of a batch gets back, gathered before it becomes a [`Done`].
 #[derive(Default)]
 struct Parts {
@@ -270,10 +308,20 @@ struct WorkFlush {
     observer: Arc<Observer>,
 }
 
+impl WorkFlush {
+    fn answer(&self, done: Done) -> Answer {
+        Answer {
+            done: Some(done),
+            store: Arc::clone(&self.store),
+            observer: Arc::clone(&self.observer),
+        }
+    }
+}
+
 impl Flush for WorkFlush {
     type Key = String;
     type Call = Work;
-    type Answer = Done;
+    type Answer = Answer;
 
     fn weight(call: &Work) -> usize {
         match call {
@@ -290,7 +338,7 @@ impl Flush for WorkFlush {
     /// first shape. Only the first call's failure fails the batch (to be
     /// run again one call at a time), so the others wait for it: nothing of
     /// theirs may have committed by then.
-    fn flush(&self, tenant: String, calls: Vec<Work>) -> FlushFuture<'_, Done> {
+    fn flush(&self, tenant: String, calls: Vec<Work>) -> FlushFuture<'_, Answer> {
         Box::pin(async move {
             let mut completes = Vec::new();
             let mut shapes: Vec<(LeaseShape, Vec<usize>, Vec<LeaseSpec>)> = Vec::new();
@@ -343,24 +391,9 @@ impl Flush for WorkFlush {
             kinds
                 .into_iter()
                 .zip(parts)
-                .map(|(kind, parts)| kind.answer(parts))
+                .map(|(kind, parts)| kind.answer(parts).map(|done| self.answer(done)))
                 .collect()
         })
-    }
-
-    /// Jobs claimed for a caller that went away are not left to sit out
-    /// their lease, and the attempts its outcomes ended are reported here,
-    /// as [`Batchers`] would have on the caller's side.
-    fn orphaned(&self, answer: Done) {
-        let (ended, leased) = match answer {
-            Done::Leased(leased) => (Vec::new(), Some(leased)),
-            Done::Completed(ended) => (vec![*ended], None),
-            Done::Both(ended, leased) => (ended, Some(leased)),
-        };
-        self.observer.ended_all(&ended);
-        if let Some(Ok(jobs)) = leased {
-            handoff::give_back(&self.store, jobs);
-        }
     }
 }
 
@@ -409,6 +442,116 @@ fn spread(parts: &mut [Parts], indexes: Vec<usize>, leased: StoreResult<Vec<Vec<
             for index in indexes {
                 parts[index].leased = Some(Err(err.clone()));
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use serde_json::json;
+
+    use super::*;
+    use crate::domain::fixtures::{lease_spec, new_job};
+    use crate::domain::{JobState, Outcome};
+    use crate::telemetry::{Metrics, Tracing};
+
+    /// A fresh SQLite store (kept while the directory lives) with two jobs
+    /// leased from it.
+    async fn two_leased() -> (tempfile::TempDir, Arc<dyn Store>, Vec<Job>) {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let url = format!("sqlite://{}", dir.path().join("answers.db").display());
+        let store = crate::store::open(
+            &crate::config::Settings::new(url),
+            Arc::new(crate::engine::notifier::Notifier::new()),
+        )
+        .await
+        .expect("store");
+        store
+            .submit("t", vec![new_job(), new_job()])
+            .await
+            .expect("submit");
+        let mut leased = store
+            .lease("t", &[lease_spec("w", 2)])
+            .await
+            .expect("lease");
+        (dir, store, leased.remove(0))
+    }
+
+    /// An answer dropped unread (a caller gone at the moment it was sent)
+    /// reports the attempt its outcome ended and gives back the job
+    /// claimed for it: it was dropped with both.
+    #[tokio::test]
+    async fn an_answer_dropped_unread_reports_and_gives_back() {
+        let (_dir, store, mut jobs) = two_leased().await;
+        let metrics = Arc::new(Metrics::new());
+        let observer = Arc::new(Observer::new(
+            Tracing::off(),
+            Arc::clone(&metrics),
+            Duration::from_secs(60),
+        ));
+        let done = jobs.remove(0);
+        let claimed = jobs.remove(0);
+        let ended = store
+            .complete(
+                "t",
+                vec![CompleteSpec {
+                    job_id: done.id,
+                    lease_token: done.lease_token.clone().unwrap_or_default(),
+                    outcome: Outcome::Success { result: json!(1) },
+                    cost_cents: 0,
+                }],
+            )
+            .await
+            .expect("complete");
+        let flush = WorkFlush {
+            store: Arc::clone(&store),
+            observer,
+        };
+        drop(flush.answer(Done::Both(ended, Ok(vec![claimed.clone()]))));
+
+        let counted =
+            r#"intray_attempts_total{queue="q",kind="k",outcome="succeeded",error_class=""} 1"#;
+        assert!(
+            metrics.render().contains(counted),
+            "the attempt is reported"
+        );
+        let back = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                let job = store.get("t", claimed.id).await.expect("get");
+                if job.state == JobState::Queued {
+                    return job;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("the claimed job is given back");
+        assert_eq!(back.attempt, 0, "its attempt returned");
+    }
+
+    /// An answer read is its caller's to report: dropping it reports and
+    /// gives back nothing.
+    #[tokio::test]
+    async fn an_answer_read_is_left_to_its_caller() {
+        let (_dir, store, jobs) = two_leased().await;
+        let metrics = Arc::new(Metrics::new());
+        let observer = Arc::new(Observer::new(
+            Tracing::off(),
+            Arc::clone(&metrics),
+            Duration::from_secs(60),
+        ));
+        let flush = WorkFlush {
+            store: Arc::clone(&store),
+            observer,
+        };
+        let answer = flush.answer(Done::Leased(Ok(jobs.clone())));
+        assert!(matches!(answer.read(), Ok(Done::Leased(Ok(read))) if read.len() == 2));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        for job in jobs {
+            let job = store.get("t", job.id).await.expect("get");
+            assert_eq!(job.state, JobState::Running, "still leased");
         }
     }
 }

@@ -237,13 +237,17 @@ pub async fn submit(
 /// Gives back jobs leased to a `Lease` call that went away (a long-poll
 /// cut short by the worker's own deadline, say), which would otherwise sit
 /// out a whole lease: they go back to the queue with their attempt
-/// returned, in a task of its own, since the caller may be a drop.
+/// returned, in a task of its own, since the caller may be a drop. A drop
+/// outside the runtime (as it shuts down) leaves them to their lease's end.
 pub fn give_back(store: &Arc<dyn Store>, jobs: Vec<Job>) {
     if jobs.is_empty() {
         return;
     }
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
     let store = Arc::clone(store);
-    tokio::spawn(async move {
+    runtime.spawn(async move {
         for job in jobs {
             let Some(lease_token) = job.lease_token else {
                 continue;
