@@ -128,6 +128,37 @@ fn python_env() -> &'static PythonEnv {
     })
 }
 
+/// The Python environment, made once (in a blocking task: it runs pip).
+async fn setup() -> &'static PythonEnv {
+    tokio::task::spawn_blocking(python_env)
+        .await
+        .expect("Python setup")
+}
+
+/// Sends `signal` to the worker, which must then drain and exit cleanly.
+async fn stop(worker: &mut tokio::process::Child, signal: Signal) {
+    let pid = worker.id().expect("worker pid");
+    kill(Pid::from_raw(pid as i32), signal).expect("signal the worker");
+    exited_cleanly(worker).await;
+}
+
+/// Waits for the worker to exit, with status 0.
+async fn exited_cleanly(worker: &mut tokio::process::Child) {
+    let status = within(LONG, "the Python worker to exit", worker.wait())
+        .await
+        .expect("wait for the Python worker");
+    assert!(status.success(), "the Python worker exited with {status}");
+}
+
+/// The job `id`, which the worker must have handed back at its stop
+/// (queued again, class `worker_shutdown`).
+async fn handed_back(jobs: &mut JobsClient, id: &str) -> pb::Job {
+    let back = get(jobs, id).await;
+    assert_eq!(state(&back), St::Queued, "handed back: {back:?}");
+    assert_eq!(error_class(&back), "worker_shutdown");
+    back
+}
+
 fn error_class(job: &pb::Job) -> String {
     job.error
         .as_ref()
@@ -195,9 +226,7 @@ async fn lease_calls(addr: std::net::SocketAddr, code: &str) -> f64 {
 }
 
 async fn python_worker_end_to_end(backend: Backend) {
-    let env = tokio::task::spawn_blocking(python_env)
-        .await
-        .expect("Python setup");
+    let env = setup().await;
     let server = TestServer::start(backend).await;
     let mut jobs = server.jobs_client(TENANT);
     let mut worker = start_worker(env, &server.addr.to_string(), 3);
@@ -296,15 +325,8 @@ async fn python_worker_end_to_end(backend: Backend) {
     // grace and handed back to run again at once; the worker exits cleanly.
     let long = submit(&mut jobs, "py", "sleep", json!({"seconds": 60})).await;
     wait_for_state(&mut jobs, &long.id, St::Running, LONG).await;
-    let pid = worker.id().expect("worker pid");
-    kill(Pid::from_raw(pid as i32), Signal::SIGTERM).expect("signal the worker");
-    let status = within(LONG, "the Python worker to exit", worker.wait())
-        .await
-        .expect("wait for the Python worker");
-    assert!(status.success(), "the Python worker exited with {status}");
-    let back = get(&mut jobs, &long.id).await;
-    assert_eq!(state(&back), St::Queued, "handed back: {back:?}");
-    assert_eq!(error_class(&back), "worker_shutdown");
+    stop(&mut worker, Signal::SIGTERM).await;
+    handed_back(&mut jobs, &long.id).await;
     server.stop().await;
 }
 
@@ -313,9 +335,7 @@ async fn python_worker_end_to_end(backend: Backend) {
 /// succeeds on its first attempt. A worker that took a failed heartbeat
 /// for a lost lease would drop the job, and it would run again.
 async fn python_heartbeats_ride_out_a_blip(backend: Backend) {
-    let env = tokio::task::spawn_blocking(python_env)
-        .await
-        .expect("Python setup");
+    let env = setup().await;
     let server = TestServer::start(backend).await;
     let mut jobs = server.jobs_client(TENANT);
     let (addr, calls) = proxy::start(&server, TENANT, Fault::HeartbeatsUnavailable(2)).await;
@@ -340,9 +360,7 @@ async fn python_heartbeats_ride_out_a_blip(backend: Backend) {
 /// starts while its lease is young and keeps it (the reaper runs every
 /// 100 ms here: held back a whole lease, it would run a second time).
 async fn python_unreported_outcome_holds_the_next_job_back_a_third_of_a_lease(backend: Backend) {
-    let env = tokio::task::spawn_blocking(python_env)
-        .await
-        .expect("Python setup");
+    let env = setup().await;
     let server = TestServer::start_reaping_fast(backend).await;
     let mut jobs = server.jobs_client(TENANT);
     let first = submit(&mut jobs, "py", "sleep", json!({"seconds": 1})).await;
@@ -366,9 +384,7 @@ async fn python_unreported_outcome_holds_the_next_job_back_a_third_of_a_lease(ba
 /// reclaims it. With a call timeout of 10 s the first attempt ran on to
 /// about 11 s.
 async fn python_a_hung_heartbeat_stops_the_job_within_its_lease(backend: Backend) {
-    let env = tokio::task::spawn_blocking(python_env)
-        .await
-        .expect("Python setup");
+    let env = setup().await;
     let server = TestServer::start_reaping_fast(backend).await;
     let mut jobs = server.jobs_client(TENANT);
     let (addr, calls) = proxy::start(&server, TENANT, Fault::HeartbeatsHang).await;
@@ -400,21 +416,14 @@ async fn python_a_hung_heartbeat_stops_the_job_within_its_lease(backend: Backend
 /// that does not look at the cancel flag) keeps its success: the work is
 /// done, and reporting it as `worker_shutdown` would run it again.
 async fn python_a_success_after_the_grace_stands(backend: Backend) {
-    let env = tokio::task::spawn_blocking(python_env)
-        .await
-        .expect("Python setup");
+    let env = setup().await;
     let server = TestServer::start(backend).await;
     let mut jobs = server.jobs_client(TENANT);
     let mut worker = start_worker(env, &server.addr.to_string(), 6);
     // 3 s of work against the worker's 1 s grace.
     let busy = submit(&mut jobs, "py", "busy", json!({"seconds": 3})).await;
     wait_for_state(&mut jobs, &busy.id, St::Running, LONG).await;
-    let pid = worker.id().expect("worker pid");
-    kill(Pid::from_raw(pid as i32), Signal::SIGTERM).expect("signal the worker");
-    let status = within(LONG, "the Python worker to exit", worker.wait())
-        .await
-        .expect("wait for the Python worker");
-    assert!(status.success(), "the Python worker exited with {status}");
+    stop(&mut worker, Signal::SIGTERM).await;
     let done = get(&mut jobs, &busy.id).await;
     assert_eq!(state(&done), St::Succeeded, "the success stands: {done:?}");
     assert_eq!(done.attempt, 1);
@@ -428,9 +437,7 @@ async fn python_a_success_after_the_grace_stands(backend: Backend) {
 /// server refuses in a class as `_`), a handler that raises on its payload
 /// fails as `handler_exception`, and the same worker runs the next job.
 async fn python_a_payload_cannot_end_the_worker(backend: Backend) {
-    let env = tokio::task::spawn_blocking(python_env)
-        .await
-        .expect("Python setup");
+    let env = setup().await;
     let server = TestServer::start(backend).await;
     let mut jobs = server.jobs_client(TENANT);
     let mut worker = start_worker(env, &server.addr.to_string(), 3);
@@ -496,9 +503,7 @@ async fn python_a_payload_cannot_end_the_worker(backend: Backend) {
 /// after the server had handed the job over: the job was never run, and
 /// came back at each lease's end to fail so again.
 async fn python_a_payload_large_as_protobuf_is_run(backend: Backend) {
-    let env = tokio::task::spawn_blocking(python_env)
-        .await
-        .expect("Python setup");
+    let env = setup().await;
     let payload = json!({ "zeros": vec![0; 460_000] });
     let as_json = serde_json::to_vec(&payload).expect("JSON").len();
     assert!(as_json < 1024 * 1024, "within the payload limit: {as_json}");
@@ -539,9 +544,7 @@ async fn python_a_payload_large_as_protobuf_is_run(backend: Backend) {
 /// followed by about one refused; ignoring the delay, by four or five (15
 /// refused to 4 answered in 8 s, by hand).
 async fn python_lease_waits_out_the_servers_retry_info(backend: Backend) {
-    let env = tokio::task::spawn_blocking(python_env)
-        .await
-        .expect("Python setup");
+    let env = setup().await;
     let server = TestServer::start_with(backend, |s| {
         s.rate_limit = Some(RateLimit {
             per_second: 0.5,
@@ -573,32 +576,21 @@ async fn python_lease_waits_out_the_servers_retry_info(backend: Backend) {
 /// A closed terminal (SIGHUP) drains the worker as SIGTERM does: by
 /// default it ended the worker mid-job, and the job waited out its lease.
 async fn python_sighup_drains(backend: Backend) {
-    let env = tokio::task::spawn_blocking(python_env)
-        .await
-        .expect("Python setup");
+    let env = setup().await;
     let server = TestServer::start(backend).await;
     let mut jobs = server.jobs_client(TENANT);
     let mut worker = start_worker_with_sighup(env, &server.addr.to_string(), 6, SigHandler::SigDfl);
     let long = submit(&mut jobs, "py", "sleep", json!({"seconds": 60})).await;
     wait_for_state(&mut jobs, &long.id, St::Running, LONG).await;
-    let pid = worker.id().expect("worker pid");
-    kill(Pid::from_raw(pid as i32), Signal::SIGHUP).expect("signal the worker");
-    let status = within(LONG, "the Python worker to exit", worker.wait())
-        .await
-        .expect("wait for the Python worker");
-    assert!(status.success(), "the Python worker exited with {status}");
-    let back = get(&mut jobs, &long.id).await;
-    assert_eq!(state(&back), St::Queued, "handed back: {back:?}");
-    assert_eq!(error_class(&back), "worker_shutdown");
+    stop(&mut worker, Signal::SIGHUP).await;
+    handed_back(&mut jobs, &long.id).await;
     server.stop().await;
 }
 
 /// Started with SIGHUP ignored (`nohup`), a closed terminal stops nothing:
 /// the worker goes on leasing, as its starter asked.
 async fn python_started_under_nohup_keeps_running_on_sighup(backend: Backend) {
-    let env = tokio::task::spawn_blocking(python_env)
-        .await
-        .expect("Python setup");
+    let env = setup().await;
     let server = TestServer::start(backend).await;
     let mut jobs = server.jobs_client(TENANT);
     let mut worker = start_worker_with_sighup(env, &server.addr.to_string(), 3, SigHandler::SigIgn);
@@ -623,9 +615,7 @@ async fn python_started_under_nohup_keeps_running_on_sighup(backend: Backend) {
 /// `worker_shutdown` at the second SIGTERM and the worker exits. The
 /// second signal was ignored: the job ran on to its end, past the grace.
 async fn python_told_twice_to_stop_hands_the_job_back_at_once(backend: Backend) {
-    let env = tokio::task::spawn_blocking(python_env)
-        .await
-        .expect("Python setup");
+    let env = setup().await;
     let server = TestServer::start(backend).await;
     let mut jobs = server.jobs_client(TENANT);
     let mut worker = start_worker(env, &server.addr.to_string(), 6);
@@ -636,18 +626,12 @@ async fn python_told_twice_to_stop_hands_the_job_back_at_once(backend: Backend) 
     tokio::time::sleep(Duration::from_millis(300)).await;
     kill(pid, Signal::SIGTERM).expect("signal the worker again");
     let told_again = Instant::now();
-    let status = within(LONG, "the Python worker to exit", worker.wait())
-        .await
-        .expect("wait for the Python worker");
-    assert!(status.success(), "the Python worker exited with {status}");
+    exited_cleanly(&mut worker).await;
     assert!(
         told_again.elapsed() < Duration::from_secs(5),
         "exited {:?} after the second SIGTERM",
         told_again.elapsed()
     );
-    let back = get(&mut jobs, &busy.id).await;
-    assert_eq!(state(&back), St::Queued, "handed back: {back:?}");
-    assert_eq!(error_class(&back), "worker_shutdown");
-    assert_eq!(back.attempt, 1);
+    assert_eq!(handed_back(&mut jobs, &busy.id).await.attempt, 1);
     server.stop().await;
 }

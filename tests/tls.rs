@@ -446,18 +446,24 @@ fn upstream_of(url: &str) -> String {
     format!("{}:{}", options.get_host(), options.get_port())
 }
 
-/// The server reaches PostgreSQL over TLS when its URL asks for it, with
-/// the certificate checked against `sslrootcert`: a managed database
-/// refuses anything else. The build had no TLS for sqlx, and every such
-/// URL ended the server at start.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_server_reaches_postgres_over_verified_tls() {
-    let ca = Ca::new("database CA");
+/// A server on a fresh PostgreSQL database, and that database's URL
+/// through a TLS front whose certificate `issuer` signed, checked with
+/// `sslmode=verify-full` against `trusted`'s certificate, with the count of
+/// sessions the front relayed. The directory holds the root certificate.
+async fn behind_a_tls_front(
+    issuer: &Ca,
+    trusted: &Ca,
+) -> (
+    common::TestServer,
+    String,
+    Arc<AtomicUsize>,
+    tempfile::TempDir,
+) {
     let dir = tempfile::tempdir().expect("tempdir");
-    let root = write(dir.path(), "root.crt", &ca.pem());
+    let root = write(dir.path(), "root.crt", &trusted.pem());
     let server = common::TestServer::start(common::Backend::Postgres).await;
     let (front, sessions) = pg_tls_front(
-        &ca.issue(&["localhost"]),
+        &issuer.issue(&["localhost"]),
         upstream_of(&server.settings.database_url),
     )
     .await;
@@ -466,6 +472,17 @@ async fn the_server_reaches_postgres_over_verified_tls() {
         front,
         &format!("sslmode=verify-full&sslrootcert={}", root.display()),
     );
+    (server, url, sessions, dir)
+}
+
+/// The server reaches PostgreSQL over TLS when its URL asks for it, with
+/// the certificate checked against `sslrootcert`: a managed database
+/// refuses anything else. The build had no TLS for sqlx, and every such
+/// URL ended the server at start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_server_reaches_postgres_over_verified_tls() {
+    let ca = Ca::new("database CA");
+    let (server, url, sessions, _dir) = behind_a_tls_front(&ca, &ca).await;
     let over_tls = server
         .start_replica_with(|settings| settings.database_url = url)
         .await;
@@ -485,21 +502,9 @@ async fn the_server_reaches_postgres_over_verified_tls() {
 /// rather than sending the database's password to whoever answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unverifiable_database_certificate_stops_the_server() {
-    let trusted = Ca::new("database CA");
     let impostor = Ca::new("someone else");
-    let dir = tempfile::tempdir().expect("tempdir");
-    let root = write(dir.path(), "root.crt", &trusted.pem());
-    let server = common::TestServer::start(common::Backend::Postgres).await;
-    let (front, sessions) = pg_tls_front(
-        &impostor.issue(&["localhost"]),
-        upstream_of(&server.settings.database_url),
-    )
-    .await;
-    let url = through_front(
-        &server.settings.database_url,
-        front,
-        &format!("sslmode=verify-full&sslrootcert={}", root.display()),
-    );
+    let (server, url, sessions, _dir) =
+        behind_a_tls_front(&impostor, &Ca::new("database CA")).await;
     let refused = intray::store::migrate(&url, false)
         .await
         .expect_err("an impostor's certificate is refused");

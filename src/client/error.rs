@@ -16,7 +16,9 @@ pub enum ClientError {
     BadArgument(String),
 
     /// The server could not be reached.
-    #[error("cannot connect to {addr}: {}", error_chain(source))]
+    // Transport errors put the useful part ("Connection refused") several
+    // causes down.
+    #[error("cannot connect to {addr}: {}", crate::report::with_causes(source))]
     Connect {
         /// The address as it was tried.
         addr: String,
@@ -132,7 +134,7 @@ fn describe_status(status: &tonic::Status) -> String {
     // A transport failure arrives as a Status whose message hides the cause
     // ("transport error"); the source chain says what actually went wrong.
     if let Some(source) = std::error::Error::source(status) {
-        let _ = write!(text, " ({})", error_chain(source));
+        let _ = write!(text, " ({})", crate::report::with_causes(source));
     }
     text
 }
@@ -154,23 +156,6 @@ fn is_tls_failure(error: &(dyn std::error::Error + 'static)) -> bool {
         next = error.source();
     }
     false
-}
-
-/// An error and its sources joined with ": ", because transport errors put
-/// the useful part ("Connection refused") several levels down.
-fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let cause_text = cause.to_string();
-        // Some layers repeat their source's text in their own.
-        if !text.contains(&cause_text) {
-            text.push_str(": ");
-            text.push_str(&cause_text);
-        }
-        source = cause.source();
-    }
-    text
 }
 
 #[cfg(test)]

@@ -460,14 +460,7 @@ mod tests {
     /// A fresh SQLite store (kept while the directory lives) with two jobs
     /// leased from it.
     async fn two_leased() -> (tempfile::TempDir, Arc<dyn Store>, Vec<Job>) {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let url = format!("sqlite://{}", dir.path().join("answers.db").display());
-        let store = crate::store::open(
-            &crate::config::Settings::new(url),
-            Arc::new(crate::engine::notifier::Notifier::new()),
-        )
-        .await
-        .expect("store");
+        let (dir, store) = crate::store::scratch_sqlite().await;
         store
             .submit("t", vec![new_job(), new_job()])
             .await

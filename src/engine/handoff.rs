@@ -311,14 +311,7 @@ mod tests {
     /// An empty parking over a fresh SQLite store (kept while the
     /// directory lives).
     async fn parking() -> (tempfile::TempDir, Arc<Parking>) {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let url = format!("sqlite://{}", dir.path().join("handoff.db").display());
-        let store = crate::store::open(
-            &crate::config::Settings::new(url),
-            Arc::new(crate::engine::notifier::Notifier::new()),
-        )
-        .await
-        .expect("store");
+        let (dir, store) = crate::store::scratch_sqlite().await;
         (dir, Arc::new(Parking::new(store)))
     }
 

@@ -156,14 +156,20 @@ mod tests {
         assert_eq!(limit_for("/intray.v1.JobService/Submit", base), base);
     }
 
-    #[tokio::test]
-    async fn a_waiting_long_poll_holds_no_slot() {
+    /// A service that answers at once, except calls to `held`, which wait
+    /// for the sender to be used or dropped; and the sender.
+    fn holding(
+        held: &'static str,
+    ) -> (
+        tokio::sync::oneshot::Sender<()>,
+        tower::util::BoxService<Request<()>, Response<()>, std::convert::Infallible>,
+    ) {
         let (release, released) = tokio::sync::oneshot::channel::<()>();
         let released = Arc::new(tokio::sync::Mutex::new(Some(released)));
         let inner = tower::service_fn(move |req: Request<()>| {
             let released = Arc::clone(&released);
             async move {
-                if is_long_poll(req.uri().path()) {
+                if req.uri().path() == held {
                     let wait = released.lock().await.take();
                     if let Some(wait) = wait {
                         let _ = wait.await;
@@ -172,9 +178,18 @@ mod tests {
                 Ok::<_, std::convert::Infallible>(Response::new(()))
             }
         });
+        (release, tower::util::BoxService::new(inner))
+    }
+
+    fn call(path: &str) -> Request<()> {
+        Request::builder().uri(path).body(()).expect("request")
+    }
+
+    #[tokio::test]
+    async fn a_waiting_long_poll_holds_no_slot() {
+        let (release, inner) = holding("/intray.v1.WorkerService/Lease");
         let layer = CallLimitLayer::new(Duration::from_secs(5), 1);
         let mut service = layer.layer(inner);
-        let call = |path: &str| Request::builder().uri(path).body(()).expect("request");
         let lease = tokio::spawn(service.call(call("/intray.v1.WorkerService/Lease")));
         tokio::task::yield_now().await;
         // The one slot is free for a submit while the lease waits.
@@ -191,23 +206,9 @@ mod tests {
 
     #[tokio::test]
     async fn a_health_check_is_answered_while_every_slot_is_held() {
-        let (release, released) = tokio::sync::oneshot::channel::<()>();
-        let released = Arc::new(tokio::sync::Mutex::new(Some(released)));
-        let inner = tower::service_fn(move |req: Request<()>| {
-            let released = Arc::clone(&released);
-            async move {
-                if req.uri().path() == "/intray.v1.JobService/Submit" {
-                    let wait = released.lock().await.take();
-                    if let Some(wait) = wait {
-                        let _ = wait.await;
-                    }
-                }
-                Ok::<_, std::convert::Infallible>(Response::new(()))
-            }
-        });
+        let (release, inner) = holding("/intray.v1.JobService/Submit");
         let layer = CallLimitLayer::new(Duration::from_secs(5), 1);
         let mut service = layer.layer(inner);
-        let call = |path: &str| Request::builder().uri(path).body(()).expect("request");
         let submit = tokio::spawn(service.call(call("/intray.v1.JobService/Submit")));
         tokio::task::yield_now().await;
         assert_eq!(layer.slots().available_permits(), 0, "the submit holds it");

@@ -498,6 +498,18 @@ fn breakers_cleared(n: u64) {
     }
 }
 
+/// A store on a fresh SQLite file, for engine tests that need a real one;
+/// the file lives as long as the directory.
+#[cfg(test)]
+pub(crate) async fn scratch_sqlite() -> (tempfile::TempDir, Arc<dyn Store>) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let url = format!("sqlite://{}", dir.path().join("scratch.db").display());
+    let store = open(&Settings::new(url), Arc::new(Notifier::new()))
+        .await
+        .expect("store");
+    (dir, store)
+}
+
 /// One job submitted to tenant `default` and leased for 50 ms, for store
 /// tests that need an expired lease: its id.
 #[cfg(test)]
