@@ -5,7 +5,10 @@
 # the SQL ceiling, next to the targets of issue 6, with the load average.
 #
 # Usage: scripts/bench.sh
-#   DATABASE_URL       PostgreSQL server to use (default postgres://postgres@127.0.0.1:5432/postgres).
+#   DATABASE_URL       PostgreSQL server to use (default
+#                      postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable: every part
+#                      connects in the clear, as the peer does by default; libpq's and intray's
+#                      default, sslmode=prefer, encrypts on a server with ssl on, as Debian's is).
 #                      The databases intray_bench_sql (pgbench), peer_graphile_worker (the peer) and
 #                      intray_bench (intray) are DROPPED and recreated on it; others are not touched.
 #   PEERS_DIR          the shared peer benchmarks (default: ../shared/bench beside the repository)
@@ -23,7 +26,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
 
-DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}"
+DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable}"
 PEERS_DIR="${PEERS_DIR:-$ROOT/../shared/bench}"
 CARGO_LOCK="${CARGO_LOCK:-/tmp/intray-cargo.lock}"
 TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
