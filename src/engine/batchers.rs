@@ -44,8 +44,9 @@ impl Batchers {
     /// `submit_in_flight` transactions at once, the lease and complete one
     /// `in_flight`. Every attempt ended here is reported to `observer`:
     /// on the caller's side once its answer arrives (off the shared
-    /// transaction's path), and by the coalescer or the detached write
-    /// when the caller went away first.
+    /// transaction's path), by the answer itself when its caller went away
+    /// without reading it (`Answer`), and inside the detached write of
+    /// a batch ([`Self::complete_batch`]).
     pub fn start(
         store: Arc<dyn Store>,
         observer: Arc<Observer>,
