@@ -21,8 +21,10 @@
 //! A caller that has gone away (its RPC was cancelled, timed out, or its
 //! connection closed) is left out of the next transaction: nobody waits for
 //! that answer. A caller that goes away while its transaction runs still has
-//! its call committed, and [`Flush::orphaned`] undoes what the lost answer
-//! would strand (a lease nobody holds, for example).
+//! its call committed, and its answer goes to [`Flush::orphaned`], which
+//! drops it unless a flush says otherwise. (The lease and complete calls'
+//! answers act on their own drop, whether it comes here or on the caller's
+//! side: see `engine::batchers`.)
 
 use std::collections::HashMap;
 use std::future::Future;
