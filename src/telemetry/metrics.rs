@@ -298,11 +298,7 @@ impl Metrics {
         let mut oldest = BTreeMap::new();
         let mut running = BTreeMap::new();
         for (rank, d) in ranked.into_iter().enumerate() {
-            let key = if rank < MAX_GAUGE_QUEUES {
-                vec![d.tenant.clone(), d.queue.clone()]
-            } else {
-                vec![OVERFLOW.to_owned(), OVERFLOW.to_owned()]
-            };
+            let key = gauge_key(rank, &d.tenant, &d.queue);
             for state in crate::domain::JobState::ALL {
                 let n = d.counts.get(state.as_str()).copied().unwrap_or(0);
                 let mut k = key.clone();
@@ -329,11 +325,7 @@ impl Metrics {
         ranked.sort_by_key(|c| std::cmp::Reverse(c.workers));
         let mut workers = BTreeMap::new();
         for (rank, c) in ranked.into_iter().enumerate() {
-            let key = if rank < MAX_GAUGE_QUEUES {
-                vec![c.tenant.clone(), c.queue.clone()]
-            } else {
-                vec![OVERFLOW.to_owned(), OVERFLOW.to_owned()]
-            };
+            let key = gauge_key(rank, &c.tenant, &c.queue);
             *workers.entry(key).or_insert(0.0) += c.workers as f64;
         }
         *self.workers.lock() = workers;
@@ -446,6 +438,16 @@ impl Metrics {
         render_scalars(&mut out, &self.webhook_deliveries, "counter");
         render_scalars(&mut out, &self.webhook_ingress, "counter");
         out
+    }
+}
+
+/// The labels of the queue ranked `rank` in a database gauge: its own
+/// within [`MAX_GAUGE_QUEUES`], the overflow series' beyond.
+fn gauge_key(rank: usize, tenant: &str, queue: &str) -> Vec<String> {
+    if rank < MAX_GAUGE_QUEUES {
+        vec![tenant.to_owned(), queue.to_owned()]
+    } else {
+        vec![OVERFLOW.to_owned(), OVERFLOW.to_owned()]
     }
 }
 
