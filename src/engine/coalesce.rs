@@ -21,10 +21,9 @@
 //! A caller that has gone away (its RPC was cancelled, timed out, or its
 //! connection closed) is left out of the next transaction: nobody waits for
 //! that answer. A caller that goes away while its transaction runs still has
-//! its call committed, and its answer goes to [`Flush::orphaned`], which
-//! drops it unless a flush says otherwise. (The lease and complete calls'
-//! answers act on their own drop, whether it comes here or on the caller's
-//! side: see `engine::batchers`.)
+//! its call committed, and its answer is dropped here; an answer that must
+//! act when nobody reads it does so on its own drop, wherever that comes
+//! (the lease and complete calls' answers: see `engine::batchers`).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -53,10 +52,6 @@ pub trait Flush: Send + Sync + 'static {
 
     /// Runs the calls in one transaction; the answers come in call order.
     fn flush(&self, key: Self::Key, calls: Vec<Self::Call>) -> FlushFuture<'_, Self::Answer>;
-
-    /// Takes a committed answer whose caller went away before it was sent.
-    /// Most answers need nothing; the default drops it.
-    fn orphaned(&self, _answer: Self::Answer) {}
 }
 
 struct Pending<F: Flush> {
@@ -103,7 +98,7 @@ impl<F: Flush> Coalescer<F> {
     /// Runs `call` in a transaction shared with the concurrent calls of the
     /// same key. A caller that goes away before its transaction starts is
     /// left out of it; one that goes away later still has its call
-    /// committed, and its answer goes to [`Flush::orphaned`].
+    /// committed, and its answer is dropped unread.
     pub async fn call(&self, key: F::Key, call: F::Call) -> StoreResult<F::Answer> {
         let (reply, answer) = oneshot::channel();
         self.calls
@@ -263,8 +258,8 @@ async fn run_group<F: Flush>(flush: &F, key: F::Key, group: Vec<Pending<F>>) {
         "shared transaction"
     );
     match result {
-        Ok(answers) => answer_all(flush, replies, Ok(answers)),
-        Err(err @ StoreError::Unavailable(_)) => answer_all(flush, replies, Err(err)),
+        Ok(answers) => answer_all(replies, Ok(answers)),
+        Err(err @ StoreError::Unavailable(_)) => answer_all(replies, Err(err)),
         Err(err) => {
             tracing::debug!(error = %err, calls = spare.len(), "shared transaction failed; running its calls one by one");
             for (call, reply) in spare.into_iter().zip(replies) {
@@ -286,20 +281,15 @@ async fn answer_alone<F: Flush>(
     replies: Vec<oneshot::Sender<StoreResult<F::Answer>>>,
 ) {
     let answers = flush.flush(key, calls).await;
-    answer_all(flush, replies, answers);
+    answer_all(replies, answers);
 }
 
-fn answer_all<F: Flush>(
-    flush: &F,
-    replies: Vec<oneshot::Sender<StoreResult<F::Answer>>>,
-    answers: StoreResult<Vec<F::Answer>>,
-) {
+fn answer_all<A>(replies: Vec<oneshot::Sender<StoreResult<A>>>, answers: StoreResult<Vec<A>>) {
     match answers {
         Ok(answers) if answers.len() == replies.len() => {
             for (reply, answer) in replies.into_iter().zip(answers) {
-                if let Err(Ok(answer)) = reply.send(Ok(answer)) {
-                    flush.orphaned(answer);
-                }
+                // A caller gone by now drops its answer with the channel.
+                let _ = reply.send(Ok(answer));
             }
         }
         Ok(answers) => {
@@ -328,13 +318,12 @@ mod tests {
 
     use super::*;
 
-    /// Records each flush, each orphaned answer and the most flushes seen
+    /// Records each flush and the most flushes seen
     /// running at once; a call of `13` fails any flush it is in, one of
     /// `66` panics it, and a call of 1000 or more weighs 10.
     #[derive(Default)]
     struct Recorder {
         flushes: Mutex<Vec<Vec<u32>>>,
-        orphans: Mutex<Vec<u32>>,
         running: AtomicUsize,
         most_running: AtomicUsize,
     }
@@ -372,13 +361,6 @@ mod tests {
                 assert!(!calls.contains(&66), "a flush that panics");
                 Ok(calls.iter().map(|c| c * 10).collect())
             })
-        }
-
-        fn orphaned(&self, answer: u32) {
-            self.orphans
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(answer);
         }
     }
 
@@ -494,11 +476,10 @@ mod tests {
         assert_eq!(answer(stays).await, 80);
         let flushes = recorder.flushes.lock().expect("lock").clone();
         assert_eq!(flushes, vec![vec![1], vec![8]]);
-        assert!(recorder.orphans.lock().expect("lock").is_empty());
     }
 
     #[tokio::test]
-    async fn an_answer_whose_caller_left_during_the_transaction_is_orphaned() {
+    async fn a_call_whose_caller_left_during_the_transaction_is_still_committed() {
         let recorder = Arc::new(Recorder::default());
         let coalescer = Arc::new(Coalescer::start(Arc::clone(&recorder), sizing(1, 100, 0)));
         let gone = spawn_call(&coalescer, 9);
@@ -506,7 +487,6 @@ mod tests {
         gone.abort();
         tokio::time::sleep(Duration::from_millis(40)).await;
         assert_eq!(*recorder.flushes.lock().expect("lock"), vec![vec![9]]);
-        assert_eq!(*recorder.orphans.lock().expect("lock"), vec![90]);
     }
 
     #[tokio::test]
