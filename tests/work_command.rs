@@ -29,6 +29,7 @@ common::backend_tests!(
     work_keeps_a_result_made_on_sigterm_at_shutdown,
     work_started_with_sigchld_ignored_still_reads_exit_codes,
     work_told_twice_to_stop_stops_at_once,
+    work_killed_stops_its_commands,
 );
 
 const TENANT: &str = "acme";
@@ -521,6 +522,31 @@ async fn work_cancel_kills_the_child(backend: Backend) {
         cancelled_at.elapsed()
     );
     worker.stop().await;
+    server.stop().await;
+}
+
+/// SIGKILL leaves `intray work` no time to stop its commands, which run in
+/// process groups of their own: its guard process stops them.
+async fn work_killed_stops_its_commands(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let mut worker = WorkProcess::start(&server, &[]).await;
+
+    let job = submit(&mut jobs, "shell", "hang", json!({})).await;
+    let (shell, sleep) = worker.command_pids(&job).await;
+    let pid = worker.child.id().expect("the worker runs") as i32;
+    kill(Pid::from_raw(pid), Signal::SIGKILL).expect("SIGKILL the worker");
+    let _ = worker.child.wait().await;
+    within(
+        Duration::from_secs(10),
+        "the command's processes to die with their worker",
+        async {
+            while !(process_gone(shell) && process_gone(sleep)) {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        },
+    )
+    .await;
     server.stop().await;
 }
 

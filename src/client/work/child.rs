@@ -3,6 +3,7 @@
 
 use std::os::unix::process::ExitStatusExt;
 use std::process::{ExitStatus, Stdio};
+use std::sync::Arc;
 use std::time::Duration;
 
 use nix::errno::Errno;
@@ -15,6 +16,7 @@ use tokio::process::{Child, Command};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use super::guard::Guard;
 use crate::worker::{CancelReason, Job, JobContext, JobError};
 
 /// `EX_TEMPFAIL` from sysexits.h: "try again later".
@@ -45,6 +47,8 @@ pub struct CommandSpec {
     pub kill_after: Duration,
     /// Largest result, in bytes of stdout and of serialised JSON.
     pub max_result_bytes: usize,
+    /// Stops the running commands if the worker dies without doing so.
+    pub guard: Option<Arc<Guard>>,
 }
 
 /// What the child wrote to stdout: the first `limit` bytes and the total.
@@ -89,10 +93,14 @@ impl CommandSpec {
                 format!("cannot start {:?}: {e}", self.program),
             )
         })?;
-        let mut exit = child
-            .id()
-            .and_then(|id| i32::try_from(id).ok())
-            .map(ExitWatch::spawn);
+        let pid = child.id().and_then(|id| i32::try_from(id).ok());
+        // Taken off the guard's list as `run` returns: after the reaping.
+        let _watched = self
+            .guard
+            .as_deref()
+            .zip(pid)
+            .map(|(guard, pid)| guard.watch(pid));
+        let mut exit = pid.map(ExitWatch::spawn);
 
         let payload = serde_json::to_vec(&job.payload).unwrap_or_default();
         let stdin = child.stdin.take().map(|mut stdin| {

@@ -2,6 +2,7 @@
 //! language can be a worker without a client library.
 
 mod child;
+mod guard;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,6 +10,8 @@ use std::time::Duration;
 use clap::Args;
 
 use child::CommandSpec;
+pub use guard::GuardArgs;
+use guard::Guard;
 
 use super::args::{ClientOpts, parse_duration};
 use super::error::ClientError;
@@ -71,11 +74,19 @@ pub async fn run(opts: &ClientOpts, args: WorkArgs) -> Result<(), ClientError> {
         .next()
         .ok_or_else(|| ClientError::BadArgument("give the command to run after --".into()))?;
     child::check_program(&program).map_err(ClientError::BadArgument)?;
+    let guard = match Guard::start(args.kill_after) {
+        Ok(guard) => Some(Arc::new(guard)),
+        Err(err) => {
+            tracing::warn!(error = %err, "cannot start the work guard: commands will outlive a worker killed by SIGKILL");
+            None
+        }
+    };
     let spec = Arc::new(CommandSpec {
         program,
         args: command.collect(),
         kill_after: args.kill_after,
         max_result_bytes: args.max_result_bytes,
+        guard: guard.clone(),
     });
     // The shared client options: address, TLS, tenant and token.
     let (_, endpoint) = super::commands::endpoint(opts)?;
@@ -110,7 +121,16 @@ pub async fn run(opts: &ClientOpts, args: WorkArgs) -> Result<(), ClientError> {
     }
     let worker = builder.build().map_err(worker_error)?;
     let (first, second) = stop_signals();
-    worker.run_until(first, second).await.map_err(worker_error)
+    let ran = worker.run_until(first, second).await.map_err(worker_error);
+    if let Some(guard) = guard {
+        guard.finish();
+    }
+    ran
+}
+
+/// Runs the hidden `intray work-guard` (see `guard`).
+pub fn guard(args: &GuardArgs) {
+    guard::run(args);
 }
 
 fn worker_error(error: WorkerError) -> ClientError {
