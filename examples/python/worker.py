@@ -30,6 +30,7 @@ gives its report one try. The protocol is described in docs/workers.md.
 
 import argparse
 import json
+import math
 import os
 import random
 import signal
@@ -522,6 +523,25 @@ def complete(stub, job, request, limit, wait=0):
             backoff = min(backoff * 2, 5)
 
 
+# From 2**53 on a double no longer holds every integer.
+EXACT = 2.0 ** 53
+
+
+def whole_numbers(value):
+    """The payload as the producer wrote it: a protobuf Value holds every
+    number as a double, so a 5 arrives as 5.0. Whole numbers under 2**53
+    become ints again (not -0.0, whose sign an int would lose), as in the
+    Rust worker and `intray work`."""
+    if isinstance(value, float):
+        whole = value.is_integer() and abs(value) < EXACT
+        return int(value) if whole and not (value == 0 and math.copysign(1, value) < 0) else value
+    if isinstance(value, list):
+        return [whole_numbers(v) for v in value]
+    if isinstance(value, dict):
+        return {k: whole_numbers(v) for k, v in value.items()}
+    return value
+
+
 def arrived(jobs):
     """Leased jobs paired with when they arrived: their leases run from then."""
     now = time.monotonic()
@@ -538,7 +558,7 @@ def run_job(stub, reporter, job, received):
 
     def work():
         try:
-            payload = (json_format.MessageToDict(job.payload)
+            payload = (whole_numbers(json_format.MessageToDict(job.payload))
                        if job.HasField("payload") else None)
             ending["result"] = handle(job, payload, hb)
         except Exception as e:
