@@ -471,6 +471,16 @@ fn process_gone(pid: i32) -> bool {
     }
 }
 
+/// Waits up to `limit` for every process of `pids` to be gone.
+async fn all_gone(pids: &[i32], limit: Duration) {
+    within(limit, "the command's processes to die", async {
+        while !pids.iter().all(|&pid| process_gone(pid)) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+}
+
 async fn read_pid(path: &Path) -> i32 {
     within(LONG, "the script writing its pid", async {
         loop {
@@ -506,16 +516,7 @@ async fn work_cancel_kills_the_child(backend: Backend) {
     .expect("Cancel");
     // Well before the server's 30 s cancel grace: the worker reported back.
     wait_for_state(&mut jobs, &job.id, St::Cancelled, Duration::from_secs(8)).await;
-    within(
-        Duration::from_secs(5),
-        "the command's processes to die",
-        async {
-            while !(process_gone(shell) && process_gone(sleep)) {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        },
-    )
-    .await;
+    all_gone(&[shell, sleep], Duration::from_secs(5)).await;
     assert!(
         cancelled_at.elapsed() < Duration::from_secs(6),
         "one heartbeat (1 s) plus SIGTERM, took {:?}",
@@ -537,16 +538,7 @@ async fn work_killed_stops_its_commands(backend: Backend) {
     let pid = worker.child.id().expect("the worker runs") as i32;
     kill(Pid::from_raw(pid), Signal::SIGKILL).expect("SIGKILL the worker");
     let _ = worker.child.wait().await;
-    within(
-        Duration::from_secs(10),
-        "the command's processes to die with their worker",
-        async {
-            while !(process_gone(shell) && process_gone(sleep)) {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        },
-    )
-    .await;
+    all_gone(&[shell, sleep], Duration::from_secs(10)).await;
     server.stop().await;
 }
 
