@@ -158,12 +158,14 @@ pub async fn run_with(
     let retention = settings.retention;
     let webhooks = settings.webhooks.clone();
     let http_tracing = settings.tracing.clone();
+    let (reap_at, reap_wakes) = reaper::ReapAt::new();
     let ctx = Context::new(
         Arc::clone(&store),
         notifier,
         Arc::clone(&observer),
         settings,
         Arc::clone(&tokens),
+        reap_at,
         stop.clone(),
     )
     .map_err(|e| ServerError::Settings(e.to_string()))?;
@@ -199,6 +201,7 @@ pub async fn run_with(
         reaper_interval,
         retention,
         observer,
+        reap_wakes,
         stop.clone(),
     ));
     let gauges_task = tokio::spawn(gauges::run(

@@ -15,7 +15,7 @@ use super::status::{ApiError, item_error};
 use super::tenant::{grant_of, tenant_of};
 use crate::auth::{AuthError, Grant};
 use crate::domain::validate::{self, MAX_BATCH, ValidationError};
-use crate::domain::{Job, JobEvent, NewJob};
+use crate::domain::{Job, JobEvent, JobState, NewJob};
 use crate::engine::detach::detached;
 use crate::engine::notifier::JobWatch;
 use crate::pb;
@@ -28,6 +28,10 @@ const WATCH_BATCH: u32 = 500;
 /// Most jobs [`JobsApi::dead_set`] counts: each is a row read, and the
 /// dashboard asks again on every refresh.
 const GROUPED_JOBS: u32 = 100_000;
+/// How long after a cancelled running job's lease ends its reaper pass
+/// comes: the replica's reading of the database's clock is off by up to
+/// half a round trip.
+const REAP_MARGIN: std::time::Duration = std::time::Duration::from_millis(25);
 
 /// The JobService implementation.
 pub struct JobsApi {
@@ -356,6 +360,14 @@ impl JobService for JobsApi {
         let job =
             detached(async move { store.cancel(&tenant, id, reason.as_deref(), grace).await })
                 .await?;
+        if job.state == JobState::Running
+            && let Some(end) = job.lease_expires_at
+        {
+            // The lease's end is the database's time; the pass comes just
+            // after it, so that the database's clock has passed it too.
+            let left = (end - self.ctx.store.now()).to_std().unwrap_or_default();
+            self.ctx.reap_at.after(left + REAP_MARGIN);
+        }
         self.ctx.observer.cancelled(&job);
         Ok(Response::new(convert::job(&job)))
     }

@@ -30,6 +30,7 @@ use crate::domain::validate::Limits;
 use crate::engine::batchers::Batchers;
 use crate::engine::notifier::Notifier;
 use crate::engine::observer::Observer;
+use crate::engine::reaper::ReapAt;
 use crate::store::Store;
 
 /// What every service needs: the store and its coalescers, the notifier, the observer
@@ -50,6 +51,8 @@ pub struct Context {
     /// The bearer tokens in force: a watch or long-poll ends when a reload
     /// takes its caller's away.
     pub tokens: Arc<TokenSource>,
+    /// Asks this replica's reaper for a pass when a cancel's grace ends.
+    pub reap_at: ReapAt,
     pub shutdown: CancellationToken,
 }
 
@@ -61,6 +64,7 @@ impl Context {
         observer: Arc<Observer>,
         settings: Settings,
         tokens: Arc<TokenSource>,
+        reap_at: ReapAt,
         shutdown: CancellationToken,
     ) -> Result<Context, crate::domain::backoff::BackoffError> {
         let limits = Limits {
@@ -88,6 +92,7 @@ impl Context {
             limits,
             webhook_keys,
             tokens,
+            reap_at,
             shutdown,
         })
     }

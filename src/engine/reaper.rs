@@ -3,9 +3,12 @@
 //! than the retention window. Every replica runs one; the
 //! store's row locks keep them from processing a job twice.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::mpsc;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::observer::Observer;
@@ -15,25 +18,69 @@ use crate::store::{Reaped, Store};
 /// locks or blocks the hot path for long.
 const BATCH: u32 = 500;
 
-/// Runs passes every `interval` until `stop` fires. A pass that filled its
-/// batch is followed at once by another.
-/// What the pass ended goes to `observer` (spans, metrics, logs).
+/// Passes asked for besides the interval's, at most this many at once;
+/// past it the interval's passes still come.
+const MOST_SCHEDULED: usize = 10_000;
+
+/// Passes closer together than this are one pass: a burst of cancels
+/// costs one.
+const MERGE: Duration = Duration::from_millis(20);
+
+/// Asks the reaper of this replica for a pass at a given time, besides
+/// its interval's. A cancelled running job's lease ends when its grace
+/// does, and SPEC has it `CANCELLED` at the latest then, not at the next
+/// interval. The replica that took the cancel wakes for it; if it stops
+/// first, another replica's interval pass ends the job.
+#[derive(Clone, Debug)]
+pub struct ReapAt {
+    wakes: mpsc::UnboundedSender<Instant>,
+}
+
+impl ReapAt {
+    /// A handle, and the receiver to give [`run`].
+    pub fn new() -> (ReapAt, mpsc::UnboundedReceiver<Instant>) {
+        let (wakes, received) = mpsc::unbounded_channel();
+        (ReapAt { wakes }, received)
+    }
+
+    /// A pass once `delay` has passed.
+    pub fn after(&self, delay: Duration) {
+        // A reaper stopped (shutdown) has no pass left to run.
+        let _ = self.wakes.send(Instant::now() + delay);
+    }
+}
+
+/// Runs passes every `interval`, and at the times `wakes` asks for, until
+/// `stop` fires. A pass that filled its batch is followed at once by
+/// another. What the pass ended goes to `observer` (spans, metrics, logs).
 pub async fn run(
     store: Arc<dyn Store>,
     interval: Duration,
     retention: Duration,
     observer: Arc<Observer>,
+    mut wakes: mpsc::UnboundedReceiver<Instant>,
     stop: CancellationToken,
 ) {
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut scheduled = BTreeSet::new();
     loop {
-        tokio::select! {
+        let next = scheduled.first().copied();
+        let on_tick = tokio::select! {
             () = stop.cancelled() => return,
-            _ = ticker.tick() => {}
-        }
+            _ = ticker.tick() => true,
+            Some(at) = wakes.recv() => {
+                schedule(&mut scheduled, at);
+                continue;
+            }
+            () = sleep_until(next) => {
+                let now = Instant::now();
+                scheduled.retain(|&at| at > now + MERGE);
+                false
+            }
+        };
         // Once per interval, not per batch: the reading only drifts slowly.
-        if let Err(err) = store.read_clock().await {
+        if on_tick && let Err(err) = store.read_clock().await {
             tracing::warn!(error = %err, "reading the database's clock failed; retrying next interval");
         }
         loop {
@@ -69,5 +116,50 @@ pub async fn run(
                 }
             }
         }
+    }
+}
+
+/// Adds a pass at `at` unless one is already due within [`MERGE`] of it,
+/// or [`MOST_SCHEDULED`] are.
+fn schedule(scheduled: &mut BTreeSet<Instant>, at: Instant) {
+    let from = at.checked_sub(MERGE).unwrap_or(at);
+    let near = scheduled.range(from..=at + MERGE).next().is_some();
+    if !near && scheduled.len() < MOST_SCHEDULED {
+        scheduled.insert(at);
+    }
+}
+
+/// Sleeps until `at`, or forever without one.
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passes_asked_for_close_together_are_one() {
+        let mut scheduled = BTreeSet::new();
+        let at = Instant::now() + Duration::from_secs(1);
+        schedule(&mut scheduled, at);
+        schedule(&mut scheduled, at + MERGE / 2);
+        schedule(&mut scheduled, at - MERGE / 2);
+        assert_eq!(scheduled.len(), 1);
+        schedule(&mut scheduled, at + MERGE * 2);
+        assert_eq!(scheduled.len(), 2);
+    }
+
+    #[test]
+    fn passes_past_the_bound_are_left_to_the_interval() {
+        let mut scheduled = BTreeSet::new();
+        let start = Instant::now();
+        for i in 0..=MOST_SCHEDULED as u32 {
+            schedule(&mut scheduled, start + MERGE * 2 * (i + 1));
+        }
+        assert_eq!(scheduled.len(), MOST_SCHEDULED);
     }
 }

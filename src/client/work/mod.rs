@@ -10,8 +10,8 @@ use std::time::Duration;
 use clap::Args;
 
 use child::CommandSpec;
-pub use guard::GuardArgs;
 use guard::Guard;
+pub use guard::GuardArgs;
 
 use super::args::{ClientOpts, parse_duration};
 use super::error::ClientError;
