@@ -20,6 +20,10 @@ TRACE_FLUSH = 10
 # How long the store waits for its last notification to the other replicas
 # after the drain (CLOSE_WAIT in src/store/postgres.rs).
 LAST_NOTIFY = 2
+# Custom resources, whose schemas kubernetes_validate does not have: their
+# fields are checked by the tests that render them. Any other apiVersion it
+# does not know is a failure.
+CRD_API_VERSIONS = {"monitoring.coreos.com/v1"}
 failures = []
 
 
@@ -44,12 +48,23 @@ def render(overrides):
         for doc in yaml.safe_load_all(text):
             if doc:
                 docs.append(doc)
-                try:
-                    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
-                except kubernetes_validate.ValidationError as e:
-                    failures.append(f"{name}: {e}")
-                    print(f"FAIL: {name} does not validate: {e}")
+                problem = invalid(doc)
+                if problem:
+                    failures.append(f"{name}: {problem}")
+                    print(f"FAIL: {name} does not validate: {problem}")
     return docs, out
+
+
+def invalid(doc):
+    """Why a manifest does not validate against the Kubernetes schemas, or
+    None; custom resources (CRD_API_VERSIONS) aside."""
+    if doc.get("apiVersion") in CRD_API_VERSIONS:
+        return None
+    try:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    except (kubernetes_validate.ValidationError, kubernetes_validate.SchemaNotFoundError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def kind(docs, k):
@@ -345,6 +360,215 @@ def check_pdb(vals):
               f"schema refuses minAvailable {bad!r} (neither a count nor a percentage)")
 
 
+OPTIONAL_KINDS = ("ServiceMonitor", "NetworkPolicy", "HorizontalPodAutoscaler")
+
+
+def check_optional_kinds_off(docs, what):
+    """The ServiceMonitor, the NetworkPolicy and the HPA are opt-in."""
+    got = [d["kind"] for d in docs if d["kind"] in OPTIONAL_KINDS]
+    check(not got, f"{what}: no ServiceMonitor, NetworkPolicy or HPA unless asked: {got}")
+
+
+def check_validation_skips_only_crds():
+    """Strict validation leaves out the ServiceMonitor's apiVersion alone:
+    another unknown apiVersion, or a known kind with a stray field, fails."""
+    meta = {"name": "x"}
+    check(invalid({"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor", "metadata": meta}) is None,
+          "a ServiceMonitor is not validated against Kubernetes' schemas")
+    check(invalid({"apiVersion": "example.com/v1", "kind": "Thing", "metadata": meta}) is not None,
+          "an unknown apiVersion other than the ServiceMonitor's fails validation")
+    check(invalid({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta,
+                   "spec": {"podSelector": {}, "ingres": []}}) is not None,
+          "a NetworkPolicy with a misspelt field fails strict validation")
+
+
+def check_service_monitor(vals, prod):
+    """A ServiceMonitor scraping /metrics on the ClusterIP Service's HTTP
+    port (named https under TLS, then scraped over HTTPS with the
+    tlsConfig given), with the interval, timeout and labels asked for, and
+    a metrics token when auth is on; refused when a scrape could not
+    succeed (no token under auth, no tlsConfig under TLS, a timeout above
+    the interval)."""
+    on = {"enabled": True, "labels": {"release": "kube-prometheus"}}
+    docs, _ = render(dict(vals, metrics={"serviceMonitor": on}))
+    monitors = kind(docs, "ServiceMonitor")
+    check(len(monitors) == 1, f"metrics.serviceMonitor.enabled renders one ServiceMonitor: {len(monitors)}")
+    if monitors:
+        [sm] = monitors
+        svc = cluster_service(docs)
+        http_port = [p["name"] for p in svc["spec"]["ports"] if p["targetPort"] == "http"]
+        check(sm["apiVersion"] == "monitoring.coreos.com/v1", f"ServiceMonitor apiVersion: {sm['apiVersion']}")
+        check(sm["metadata"]["name"] == "intray"
+              and sm["metadata"]["labels"].get("release") == "kube-prometheus"
+              and sm["metadata"]["labels"].get("app.kubernetes.io/instance") == "intray",
+              f"the ServiceMonitor carries the chart's labels and the extra ones: {sm['metadata']}")
+        selector = sm["spec"]["selector"]["matchLabels"]
+        check(selector.items() <= svc["metadata"]["labels"].items(),
+              f"the ServiceMonitor selects the ClusterIP Service: {selector}")
+        check(sm["spec"]["namespaceSelector"] == {"matchNames": ["jobs"]},
+              "the ServiceMonitor looks in the release's namespace")
+        check(sm["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "30s",
+                                           "scrapeTimeout": "10s"}] and http_port == ["http"],
+              f"the ServiceMonitor scrapes /metrics on the Service's HTTP port {http_port}: {sm['spec']['endpoints']}")
+        headless_ports = [p["name"] for s in headless_service(docs) for p in s["spec"]["ports"]]
+        check("http" not in headless_ports,
+              f"the headless Service, which it selects too, has no port of that name: {headless_ports}")
+        check(set(sm["spec"]) == {"namespaceSelector", "selector", "endpoints"},
+              f"the ServiceMonitor's spec has the fields of monitoring.coreos.com/v1: {sorted(sm['spec'])}")
+
+    docs, _ = render(dict(vals, metrics={"serviceMonitor": dict(on, interval="", scrapeTimeout="")}))
+    [sm] = kind(docs, "ServiceMonitor") or [{"spec": {"endpoints": [{}]}}]
+    check(sm["spec"]["endpoints"] == [{"port": "http", "path": "/metrics"}],
+          f"an empty interval and scrapeTimeout leave Prometheus' own: {sm['spec']['endpoints']}")
+    for interval, timeout, refused in (("1m", "1m", False), ("1s", "500ms", False), ("1m30s", "90s", False),
+                                       ("1m", "61s", True), ("500ms", "1s", True), ("1h", "1h1ms", True)):
+        sm_vals = dict(on, interval=interval, scrapeTimeout=timeout)
+        check(render_fails(dict(vals, metrics={"serviceMonitor": sm_vals}), "scrapeTimeout") == refused,
+              f"scrapeTimeout {timeout} with interval {interval} is {'refused' if refused else 'rendered'}")
+
+    # Production: a token file and TLS.
+    check(render_fails(dict(prod, metrics={"serviceMonitor": on}), "tokenSecret.name"),
+          "with auth on, a ServiceMonitor without a metrics token is refused (its scrapes would get 401)")
+    token = {"name": "intray-metrics-token", "key": "token"}
+    check(render_fails(dict(prod, metrics={"serviceMonitor": dict(on, tokenSecret=token)}), "tlsConfig"),
+          "with TLS, a ServiceMonitor without tlsConfig is refused (its scrapes could not verify the pods)")
+    tls_config = {"ca": {"secret": {"name": "intray-tls", "key": "ca.crt"}}, "serverName": "intray.jobs.svc"}
+    docs, _ = render(dict(prod, metrics={"serviceMonitor": dict(on, tokenSecret=token, tlsConfig=tls_config)}))
+    [sm] = kind(docs, "ServiceMonitor") or [{"spec": {"endpoints": [{}]}}]
+    want = {"port": "https", "path": "/metrics", "scheme": "https", "tlsConfig": tls_config, "interval": "30s",
+            "scrapeTimeout": "10s",
+            "authorization": {"type": "Bearer", "credentials": {"name": "intray-metrics-token", "key": "token"}}}
+    check(sm["spec"]["endpoints"] == [want],
+          f"with TLS and a token: HTTPS on the port named https, with the tlsConfig and the token: "
+          f"{sm['spec']['endpoints']}")
+
+    check(rejected(dict(vals, metrics={"serviceMonitor": {"enable": True}})),
+          "schema refuses a misspelt serviceMonitor key")
+    check(rejected(dict(vals, metrics={"serviceMonitor": {"enabled": True, "interval": "30 seconds"}})),
+          "schema refuses an interval that is no Prometheus duration")
+
+
+def network_policy(vals):
+    docs, _ = render(vals)
+    policies = kind(docs, "NetworkPolicy")
+    check(len(policies) == 1, f"networkPolicy.enabled renders one NetworkPolicy: {len(policies)}")
+    return docs, (policies or [{"spec": {}}])[0]["spec"]
+
+
+def check_network_policy(vals, prod):
+    """A NetworkPolicy on the intray pods letting in the gRPC and the HTTP
+    port only (the container's ports, which the policy sees), from the
+    peers asked for or from anywhere; egress left alone unless restricted,
+    and then DNS plus the rules asked for."""
+    for what, base in (("defaults", vals), ("production", prod),
+                       ("ports moved", dict(vals, ports={"grpc": 9000, "http": 9001}))):
+        docs, spec = network_policy(dict(base, networkPolicy={"enabled": True}))
+        [dep] = kind(docs, "Deployment")
+        [c] = dep["spec"]["template"]["spec"]["containers"]
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        check(spec.get("podSelector") == {"matchLabels": dep["spec"]["selector"]["matchLabels"]},
+              f"{what}: the NetworkPolicy selects the Deployment's pods: {spec.get('podSelector')}")
+        check(spec.get("policyTypes") == ["Ingress"] and "egress" not in spec,
+              f"{what}: egress is not restricted by default: {spec.get('policyTypes')}")
+        want = [{"ports": [{"port": ports["grpc"], "protocol": "TCP"}, {"port": ports["http"], "protocol": "TCP"}]}]
+        check(spec.get("ingress") == want,
+              f"{what}: in to the gRPC and the HTTP port only, from anywhere: {spec.get('ingress')}")
+
+    peers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "workers"}}},
+             {"podSelector": {"matchLabels": {"app": "producer"}}}]
+    scrape = {"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+              "ports": [{"port": 8080, "protocol": "TCP"}]}
+    _, spec = network_policy(dict(vals, networkPolicy={"enabled": True, "from": peers, "extraIngress": [scrape]}))
+    check(spec.get("ingress") == [{"ports": [{"port": 50051, "protocol": "TCP"}, {"port": 8080, "protocol": "TCP"}],
+                                   "from": peers}, scrape],
+          f"`from` limits the two ports to those peers, and extraIngress is added: {spec.get('ingress')}")
+
+    database = {"to": [{"ipBlock": {"cidr": "10.0.12.0/24"}}], "ports": [{"port": 5432, "protocol": "TCP"}]}
+    otlp = {"to": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "observability"}},
+                    "podSelector": {"matchLabels": {"app": "otel-collector"}}}],
+            "ports": [{"port": 4317, "protocol": "TCP"}]}
+    dns = {"ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]}
+    _, spec = network_policy(dict(prod, networkPolicy={"enabled": True,
+                                                       "egress": {"restrict": True, "rules": [database, otlp]}}))
+    check(spec.get("policyTypes") == ["Ingress", "Egress"], f"egress.restrict adds Egress: {spec.get('policyTypes')}")
+    check(spec.get("egress") == [dns, database, otlp],
+          f"restricted egress: DNS (UDP and TCP 53) and the rules given: {spec.get('egress')}")
+    _, spec = network_policy(dict(vals, networkPolicy={"enabled": True, "egress": {"restrict": True}}))
+    check(spec.get("egress") == [dns], f"restricted egress without rules: DNS only: {spec.get('egress')}")
+
+    check(rejected(dict(vals, networkPolicy={"enabled": True, "from": [{"podSelectr": {}}]})),
+          "schema refuses a misspelt peer (it would be dropped, and the rule widened)")
+    check(rejected(dict(vals, networkPolicy={"enabled": True, "from": [{}]})), "schema refuses an empty peer")
+    check(rejected(dict(vals, networkPolicy={"enabled": True, "egress": {"restricted": True}})),
+          "schema refuses a misspelt egress key")
+
+
+def check_autoscaling(vals, prod):
+    """An autoscaling/v2 HPA on the Deployment, which then leaves its
+    replicas to it; refused on SQLite (one replica only), with minReplicas
+    above maxReplicas, and without the requests utilization is a share of.
+    A disruption budget is checked against minReplicas."""
+    pg = dict(vals, database={"existingSecret": "db"})
+    on = {"enabled": True, "minReplicas": 2, "maxReplicas": 6, "targetCPUUtilizationPercentage": 80}
+    docs, out = render(dict(pg, autoscaling=on))
+    hpas = kind(docs, "HorizontalPodAutoscaler")
+    check(len(hpas) == 1, f"autoscaling.enabled renders one HPA: {len(hpas)}")
+    [dep] = kind(docs, "Deployment")
+    check("replicas" not in dep["spec"], f"with an HPA the Deployment sets no replicas: {dep['spec'].get('replicas')}")
+    cpu = {"type": "Resource", "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": 80}}}
+    if hpas:
+        [hpa] = hpas
+        check(hpa["apiVersion"] == "autoscaling/v2", f"HPA apiVersion: {hpa['apiVersion']}")
+        check(hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                                "name": dep["metadata"]["name"]},
+              f"the HPA scales the chart's Deployment: {hpa['spec']['scaleTargetRef']}")
+        check(hpa["spec"]["minReplicas"] == 2 and hpa["spec"]["maxReplicas"] == 6
+              and hpa["spec"]["metrics"] == [cpu] and "behavior" not in hpa["spec"],
+              f"the HPA: 2 to 6 replicas on 80% CPU: {hpa['spec']}")
+    check("2 to 6 replicas, autoscaled" in out.get("intray/templates/NOTES.txt", ""), "NOTES tell the HPA's range")
+
+    behavior = {"scaleDown": {"stabilizationWindowSeconds": 600}}
+    docs, _ = render(dict(prod, autoscaling=dict(on, minReplicas=3, targetMemoryUtilizationPercentage=75,
+                                                 behavior=behavior)))
+    [hpa] = kind(docs, "HorizontalPodAutoscaler") or [{"spec": {}}]
+    memory = {"type": "Resource",
+              "resource": {"name": "memory", "target": {"type": "Utilization", "averageUtilization": 75}}}
+    check(hpa["spec"].get("metrics") == [cpu, memory] and hpa["spec"].get("behavior") == behavior,
+          f"a memory target and behavior reach the HPA: {hpa['spec']}")
+    [dep] = kind(docs, "Deployment")
+    check("replicas" not in dep["spec"], "production with an HPA: no replicas in the Deployment")
+
+    message = "autoscaling.enabled needs PostgreSQL"
+    for what, over in (("no database", {}), ("a SQLite URL", {"database": {"url": "sqlite:///var/lib/intray/x.db"}}),
+                       ("persistence", {"persistence": {"enabled": True}})):
+        check(render_fails(dict(vals, autoscaling=on, **over), message),
+              f"autoscaling is refused on SQLite ({what}), which allows one replica only")
+    check(render_fails(dict(pg, autoscaling=dict(on, minReplicas=7)), "minReplicas must not exceed"),
+          "autoscaling with minReplicas above maxReplicas is refused")
+    # None deletes a default value, as `--set key=null` does.
+    check(render_fails(dict(pg, autoscaling=on, resources={"requests": {"cpu": None}}), "resources.requests.cpu"),
+          "a CPU target without a CPU request is refused")
+    check(render_fails(dict(pg, autoscaling=dict(on, targetMemoryUtilizationPercentage=75),
+                            resources={"requests": {"memory": None}}), "resources.requests.memory"),
+          "a memory target without a memory request is refused")
+    check(not render_fails(dict(pg, autoscaling=on, resources={"requests": {"memory": None}}),
+                           "resources.requests.memory"),
+          "a CPU target alone needs no memory request")
+
+    # The budget against minReplicas, not replicaCount (1 here).
+    for min_replicas, min_available, refused in ((2, 1, False), (2, 2, True), (1, 1, True), (3, "50%", False),
+                                                 (2, "100%", True)):
+        over = dict(pg, autoscaling=dict(on, minReplicas=min_replicas),
+                    podDisruptionBudget={"enabled": True, "minAvailable": min_available})
+        check(render_fails(over, "minAvailable") == refused,
+              f"with an HPA from {min_replicas}, a PDB of {min_available} is {'refused' if refused else 'rendered'}")
+
+    check(rejected(dict(pg, autoscaling=dict(on, minReplicas=0))), "schema refuses minReplicas 0")
+    check(rejected(dict(pg, autoscaling={"enable": True})), "schema refuses a misspelt autoscaling key")
+    check(rejected(dict(pg, autoscaling=dict(on, targetCPUUtilizationPercentage="80%"))),
+          "schema refuses a CPU target that is no integer")
+
+
 def main():
     lint = helm_python.lint(CHART, strict=True)
     print("lint:", lint)
@@ -352,6 +576,14 @@ def main():
                          ("production", helm_python.lint(CHART, values("values-production.yaml"), strict=True))):
         problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
         check(not problems, f"lint ({what}) finds no warning or error: {problems}")
+    everything = dict(values("values-production.yaml"),
+                      autoscaling={"enabled": True, "minReplicas": 3, "maxReplicas": 6},
+                      networkPolicy={"enabled": True, "egress": {"restrict": True}},
+                      metrics={"serviceMonitor": {"enabled": True, "tokenSecret": {"name": "intray-metrics"},
+                                                  "tlsConfig": {"insecureSkipVerify": True}}})
+    report = helm_python.lint(CHART, everything, strict=True)
+    problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+    check(not problems, f"lint (HPA, NetworkPolicy, ServiceMonitor on) finds no warning or error: {problems}")
 
     defaults = values("values.yaml")
     docs, out = render(defaults)
@@ -367,6 +599,7 @@ def main():
     check(not kind(docs, "Secret"), "no Secret without database URL or tokens")
     check_ports_and_grace(docs, defaults, "defaults")
     check("authentication is OFF" in out.get("intray/templates/NOTES.txt", ""), "NOTES warn about open mode")
+    check_optional_kinds_off(docs, "defaults")
 
     prod = values("values-production.yaml")
     docs, out = render(prod)
@@ -381,6 +614,7 @@ def main():
     check(len(kind(docs, "PodDisruptionBudget")) == 1, "PDB rendered")
     check("INTRAY_TLS_CERT" in env, "TLS configured")
     check_ports_and_grace(docs, prod, "production")
+    check_optional_kinds_off(docs, "production")
     check_tls_probes(prod)
     check_tls_service_ports(prod)
     check_tls_service_ports(defaults)
@@ -391,6 +625,10 @@ def main():
     check_persistence(defaults)
     check_values_declared(defaults)
     check_pdb(defaults)
+    check_validation_skips_only_crds()
+    check_service_monitor(defaults, prod)
+    check_network_policy(defaults, prod)
+    check_autoscaling(defaults, prod)
 
     moved = dict(defaults, ports={"grpc": 9000, "http": 9001})
     docs, _ = render(moved)

@@ -102,3 +102,16 @@ as cleartext HTTP/2 and HTTP. */}}
 {{- define "intray.httpPortName" -}}
 {{- if .Values.tls.enabled }}https{{ else }}http{{ end }}
 {{- end }}
+
+{{/* A Prometheus duration ("1m30s", "500ms") in milliseconds, to compare a
+scrape timeout with its interval: Prometheus refuses a timeout above the
+interval, and prometheus-operator then drops the whole ServiceMonitor with
+no more than an event to show for it. */}}
+{{- define "intray.promDurationMs" -}}
+{{- $units := dict "y" 31536000000 "w" 604800000 "d" 86400000 "h" 3600000 "m" 60000 "s" 1000 "ms" 1 }}
+{{- $ms := 0 }}
+{{- range regexFindAll "[0-9]+(ms|[ywdhms])" . -1 }}
+{{- $ms = add $ms (mul (regexReplaceAll "[a-z]+$" . "" | int64) (get $units (regexReplaceAll "^[0-9]+" . ""))) }}
+{{- end }}
+{{- $ms }}
+{{- end }}
