@@ -43,6 +43,7 @@ common::backend_tests!(
     python_a_payload_cannot_end_the_worker,
     python_a_payload_large_as_protobuf_is_run,
     python_lease_waits_out_the_servers_retry_info,
+    python_heartbeat_and_outcome_wait_out_the_servers_retry_info,
     python_sighup_drains,
     python_started_under_nohup_keeps_running_on_sighup,
     python_told_twice_to_stop_hands_the_job_back_at_once,
@@ -217,12 +218,20 @@ fn worker_command(env: &PythonEnv, addr: &str, lease_seconds: u32) -> Command {
 /// How many `WorkerService/Lease` calls the server at `addr` has answered
 /// with `code`, from its RPC metrics.
 async fn lease_calls(addr: std::net::SocketAddr, code: &str) -> f64 {
-    parse(&scrape(addr).await)
-        .get(&format!(
-            "intray_rpc_responses_total{{method=\"/intray.v1.WorkerService/Lease\",code=\"{code}\"}}"
-        ))
-        .copied()
-        .unwrap_or(0.0)
+    worker_calls(addr, &["Lease"], code).await
+}
+
+/// `WorkerService` calls of any of `methods` answered with `code`.
+async fn worker_calls(addr: std::net::SocketAddr, methods: &[&str], code: &str) -> f64 {
+    let metrics = parse(&scrape(addr).await);
+    methods
+        .iter()
+        .filter_map(|method| {
+            metrics.get(&format!(
+                "intray_rpc_responses_total{{method=\"/intray.v1.WorkerService/{method}\",code=\"{code}\"}}"
+            ))
+        })
+        .sum()
 }
 
 async fn python_worker_end_to_end(backend: Backend) {
@@ -567,6 +576,56 @@ async fn python_lease_waits_out_the_servers_retry_info(backend: Backend) {
         "the Python worker still runs"
     );
     worker.kill().await.expect("stop the Python worker");
+    server.stop().await;
+}
+
+/// `Heartbeat` and the outcome's call, refused by the rate limit, are sent
+/// again once the server's `RetryInfo` says, not at once: one token every
+/// four seconds against a heartbeat every two, so some are refused, and
+/// the job still ends with its outcome and on its first attempt.
+async fn python_heartbeat_and_outcome_wait_out_the_servers_retry_info(backend: Backend) {
+    let env = setup().await;
+    let server = TestServer::start_with(backend, |s| {
+        s.rate_limit = Some(RateLimit {
+            per_second: 0.25,
+            burst: 1,
+        });
+    })
+    .await;
+    let mut jobs = server.jobs_client(TENANT);
+    // Before the worker starts, so that the submit has the bucket's token.
+    let job = submit(&mut jobs, "py", "sleep", json!({"seconds": 7})).await;
+    let mut worker = start_worker(env, &server.addr.to_string(), 6);
+    // Watched on /metrics, which the limit leaves alone: the test's own
+    // Get would take the tenant's tokens.
+    let outcomes = ["Complete", "CompleteAndLease"];
+    within(
+        Duration::from_secs(40),
+        "the job's outcome to be taken",
+        async {
+            while worker_calls(server.http_addr, &outcomes, "OK").await < 1.0 {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        },
+    )
+    .await;
+    let methods = ["Heartbeat", "Complete", "CompleteAndLease"];
+    let answered = worker_calls(server.http_addr, &methods, "OK").await;
+    let refused = worker_calls(server.http_addr, &methods, "RESOURCE_EXHAUSTED").await;
+    worker.kill().await.expect("stop the Python worker");
+    // A token for the Get.
+    tokio::time::sleep(Duration::from_millis(4500)).await;
+    let done = get(&mut jobs, &job.id).await;
+    assert_eq!(done.state(), St::Succeeded, "{done:?}");
+    assert_eq!(done.attempt, 1, "the lease held: {done:?}");
+    assert!(
+        refused >= 1.0,
+        "the rate limit was reached: {refused} refused"
+    );
+    assert!(
+        refused <= answered + 2.0,
+        "{refused} refused to {answered} answered: the retries did not wait for the server"
+    );
     server.stop().await;
 }
 
