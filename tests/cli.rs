@@ -20,10 +20,13 @@ common::backend_tests!(
     get_events_shows_a_replayed_jobs_whole_history,
     watch_exits_by_how_the_job_ended,
     watch_resumes_after_a_server_shuts_down,
+    watch_resumes_after_its_connection_stalls,
     exit_codes_tell_a_missing_job_from_a_server_away,
 );
 
 const TENANT: &str = "cli";
+/// How long a step that takes no time may take on a loaded machine.
+const LONG_WAIT: Duration = Duration::from_secs(20);
 
 /// Runs `intray --addr ADDR --tenant cli ARGS`, with no other `INTRAY_*`
 /// setting from the environment.
@@ -166,8 +169,14 @@ async fn watch_exits_by_how_the_job_ended(backend: Backend) {
 struct Forwarder {
     addr: SocketAddr,
     target: Arc<Mutex<SocketAddr>>,
+    /// Raised by [`Forwarder::stall`]; a connection stalls once it is above
+    /// the value it was accepted under.
+    stalls: tokio::sync::watch::Sender<u64>,
     accepting: tokio::task::JoinHandle<()>,
 }
+
+/// Connections stalled by [`Forwarder::stall`], open until the forwarder goes.
+type Held = Arc<Mutex<Vec<(TcpStream, TcpStream)>>>;
 
 impl Forwarder {
     async fn start(target: SocketAddr) -> Forwarder {
@@ -177,14 +186,25 @@ impl Forwarder {
         let addr = listener.local_addr().expect("forwarder address");
         let target = Arc::new(Mutex::new(target));
         let current = Arc::clone(&target);
+        let (stalls, stalled) = tokio::sync::watch::channel(0u64);
+        let held: Held = Arc::default();
         let accepting = tokio::spawn(async move {
             while let Ok((mut client, _)) = listener.accept().await {
                 let to = *current.lock().unwrap_or_else(PoisonError::into_inner);
+                let mut stalled = stalled.clone();
+                let generation = *stalled.borrow_and_update();
+                let held = Arc::clone(&held);
                 tokio::spawn(async move {
                     // A refused upstream drops the client's connection,
                     // which it sees as the server being away.
-                    if let Ok(mut server) = TcpStream::connect(to).await {
-                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    let Ok(mut server) = TcpStream::connect(to).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                        _ = stalled.wait_for(|&g| g > generation) => {
+                            held.lock().unwrap_or_else(PoisonError::into_inner).push((client, server));
+                        }
                     }
                 });
             }
@@ -192,6 +212,7 @@ impl Forwarder {
         Forwarder {
             addr,
             target,
+            stalls,
             accepting,
         }
     }
@@ -199,12 +220,100 @@ impl Forwarder {
     fn point_at(&self, target: SocketAddr) {
         *self.target.lock().unwrap_or_else(PoisonError::into_inner) = target;
     }
+
+    /// Stops every open connection without closing it, as a network that
+    /// drops packets (or a NAT that forgot the flow) does; connections
+    /// made afterwards go through.
+    fn stall(&self) {
+        self.stalls.send_modify(|g| *g += 1);
+    }
 }
 
 impl Drop for Forwarder {
     fn drop(&mut self) {
         self.accepting.abort();
     }
+}
+
+/// `intray --json watch ID` through `addr`, its lines read as they come.
+struct Watching {
+    child: tokio::process::Child,
+    stdout: tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
+    printed: Vec<String>,
+}
+
+impl Watching {
+    /// Starts the watch and waits for its first `n` lines.
+    async fn start(addr: SocketAddr, id: &str, n: usize) -> Watching {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_intray"))
+            .args(["--addr", &format!("http://{addr}")])
+            .args(["--tenant", TENANT, "--json", "watch", id])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start watch");
+        let stdout = BufReader::new(child.stdout.take().expect("stdout")).lines();
+        let mut watching = Watching {
+            child,
+            stdout,
+            printed: Vec::new(),
+        };
+        while watching.printed.len() < n {
+            let line = within(
+                LONG_WAIT,
+                "the watch's first events",
+                watching.stdout.next_line(),
+            )
+            .await
+            .expect("read watch's output")
+            .expect("watch goes on");
+            watching.printed.push(line);
+        }
+        watching
+    }
+
+    /// Reads the rest within `limit` (what for: `what`), then waits for the
+    /// exit: its status, every line printed, and stderr.
+    async fn finish(
+        mut self,
+        limit: Duration,
+        what: &str,
+    ) -> (std::process::ExitStatus, Vec<String>, String) {
+        let stdout = &mut self.stdout;
+        let rest = within(limit, what, async {
+            let mut rest = Vec::new();
+            while let Some(line) = stdout.next_line().await.expect("read watch's output") {
+                rest.push(line);
+            }
+            rest
+        })
+        .await;
+        self.printed.extend(rest);
+        let status = within(LONG_WAIT, "watch to exit", self.child.wait())
+            .await
+            .expect("wait for watch");
+        let mut stderr = String::new();
+        if let Some(mut err) = self.child.stderr.take() {
+            err.read_to_string(&mut stderr).await.expect("read stderr");
+        }
+        (status, self.printed, stderr)
+    }
+}
+
+/// A resumed watch of a job that succeeded: exit 0, each of its three
+/// events printed once, and the reconnection said on stderr.
+fn resumed_to_the_end(status: std::process::ExitStatus, printed: &[String], stderr: &str) {
+    assert_eq!(status.code(), Some(0), "the job succeeded: {stderr}");
+    assert_eq!(
+        sequences_of(printed),
+        [1, 2, 3],
+        "each event once: {printed:?}"
+    );
+    assert!(
+        stderr.contains("reconnecting"),
+        "the lost connection is reported: {stderr}"
+    );
 }
 
 /// The sequences of `watch --json` lines.
@@ -232,57 +341,42 @@ async fn watch_resumes_after_a_server_shuts_down(backend: Backend) {
     let job = submit(&mut jobs, "moved", "k", json!({})).await;
     let leased = lease_one(&mut first.workers_client(TENANT), "w", "moved").await;
     let forwarder = Forwarder::start(first.addr).await;
-
-    let mut watch = Command::new(env!("CARGO_BIN_EXE_intray"))
-        .args(["--addr", &format!("http://{}", forwarder.addr)])
-        .args(["--tenant", TENANT, "--json", "watch", &job.id])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("start watch");
-    let mut stdout = BufReader::new(watch.stdout.take().expect("stdout")).lines();
-    let mut printed = Vec::new();
-    while printed.len() < 2 {
-        let line = within(
-            Duration::from_secs(20),
-            "SUBMITTED and LEASED",
-            stdout.next_line(),
-        )
-        .await
-        .expect("read watch's output")
-        .expect("watch goes on");
-        printed.push(line);
-    }
+    let watch = Watching::start(forwarder.addr, &job.id, 2).await;
 
     forwarder.point_at(second.addr);
     first.stop().await;
     complete_ok(&mut second.workers_client(TENANT), &leased).await;
-    let rest = within(Duration::from_secs(30), "the rest of the watch", async {
-        let mut rest = Vec::new();
-        while let Some(line) = stdout.next_line().await.expect("read watch's output") {
-            rest.push(line);
-        }
-        rest
-    })
-    .await;
-    printed.extend(rest);
-    let status = within(Duration::from_secs(10), "watch to exit", watch.wait())
-        .await
-        .expect("wait for watch");
-    let mut stderr = String::new();
-    if let Some(mut err) = watch.stderr.take() {
-        err.read_to_string(&mut stderr).await.expect("read stderr");
-    }
-    assert_eq!(status.code(), Some(0), "the job succeeded: {stderr}");
-    assert_eq!(
-        sequences_of(&printed),
-        [1, 2, 3],
-        "each event once: {printed:?}"
-    );
+    let (status, printed, stderr) = watch
+        .finish(Duration::from_secs(30), "the rest of the watch")
+        .await;
+    resumed_to_the_end(status, &printed, &stderr);
     assert!(
-        stderr.contains("UNAVAILABLE") && stderr.contains("reconnecting"),
+        stderr.contains("UNAVAILABLE"),
         "the interruption is reported, not taken for the end: {stderr}"
     );
     second.stop().await;
+}
+
+/// The connection a `watch` streams over stops carrying anything, with no
+/// error on either side: HTTP/2 keepalive pings (every 20 s, 10 s to
+/// answer) find it dead, and `watch` resumes over a new one, printing the
+/// event it missed. Without the pings it would wait forever.
+async fn watch_resumes_after_its_connection_stalls(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let job = submit(&mut jobs, "stalled", "k", json!({})).await;
+    let leased = lease_one(&mut server.workers_client(TENANT), "w", "stalled").await;
+    let forwarder = Forwarder::start(server.addr).await;
+    let watch = Watching::start(forwarder.addr, &job.id, 2).await;
+
+    forwarder.stall();
+    complete_ok(&mut server.workers_client(TENANT), &leased).await;
+    let (status, printed, stderr) = watch
+        .finish(
+            Duration::from_secs(60),
+            "a ping to find the connection dead, and the rest of the watch",
+        )
+        .await;
+    resumed_to_the_end(status, &printed, &stderr);
+    server.stop().await;
 }
