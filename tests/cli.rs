@@ -160,6 +160,20 @@ async fn watch_exits_by_how_the_job_ended(backend: Backend) {
         .await
         .expect("wait for watch");
     assert_eq!(status.code(), Some(1), "{status:?}");
+
+    // The same once what there was has been printed and read, and nothing
+    // more is coming (`head -n1` after the line it waited for): it exits
+    // then, not at the job's next event, which may be hours away.
+    let mut watch = Watching::start(server.addr, &running.id, 2).await;
+    drop(watch.stdout);
+    let status = within(
+        LONG_WAIT,
+        "watch to exit with nothing to write",
+        watch.child.wait(),
+    )
+    .await
+    .expect("wait for watch");
+    assert_eq!(status.code(), Some(1), "{status:?}");
     server.stop().await;
 }
 

@@ -107,7 +107,12 @@ async fn execute(opts: ClientOpts, cmd: ClientCommand) -> Result<(), ClientError
         }
         ClientCommand::Watch(args) => {
             let mut session = Session::connect(&opts, tenant).await?;
-            watch(&mut session, args, json).await
+            tokio::select! {
+                watched = watch(&mut session, args, json) => watched,
+                () = super::closed_output::closed() => {
+                    Err(ClientError::Output(io::ErrorKind::BrokenPipe.into()))
+                }
+            }
         }
         ClientCommand::List(args) => {
             let all = args.all;

@@ -49,6 +49,7 @@
 //! are `serve`'s.
 
 mod args;
+mod closed_output;
 mod commands;
 mod error;
 mod print;
