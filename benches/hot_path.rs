@@ -66,7 +66,7 @@ fn submit_request(payload: &Value) -> pb::SubmitRequest {
     pb::SubmitRequest {
         queue: "embeddings".into(),
         kind: "summarise".into(),
-        payload: convert::value(payload),
+        payload: Some(convert::value(payload)),
         idempotency_key: "doc-0001-summary".into(),
         priority: 0,
         labels: [("team".to_string(), "search".to_string())].into(),
@@ -203,7 +203,7 @@ fn complete(c: &mut Criterion) {
             lease_token: token.clone(),
             outcome: Some(pb::complete_request::Outcome::Success(
                 pb::complete_request::Success {
-                    result: convert::value(&payload),
+                    result: Some(convert::value(&payload)),
                 },
             )),
             cost_cents: 3,

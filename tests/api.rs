@@ -106,6 +106,17 @@ async fn lifecycle(backend: Backend) {
     );
     let uuid = uuid::Uuid::parse_str(&job.id).expect("job id is a UUID");
     assert_eq!(uuid.get_version_num(), 7, "job id is a UUIDv7");
+
+    // A job without a payload answers with a null one, not an empty
+    // `Value` (which grpcurl, like other runtimes, would not print).
+    let mut bare = submit_req("bare", "k", json!(null));
+    bare.payload = None;
+    let bare = jobs.submit(bare).await.expect("Submit").into_inner().job;
+    assert_eq!(
+        bare.and_then(|j| j.payload).and_then(|p| p.kind),
+        Some(pbjson_types::value::Kind::NullValue(0)),
+        "a payload left out is null"
+    );
     assert!(job.created_at.is_some() && job.run_at.is_some());
 
     let before_lease = Utc::now();

@@ -8,7 +8,7 @@ use chrono::{DateTime, Utc};
 use serde_json::Value;
 
 use crate::domain::breaker::BreakerState;
-use crate::domain::json::{numbers_as_doubles, whole_numbers_as_integers};
+use crate::domain::json::whole_numbers_as_integers;
 use crate::domain::validate::{
     HeartbeatInput, LeaseInput, ListInput, OutcomeInput, SubmitInput, ValidationError,
 };
@@ -98,21 +98,38 @@ pub fn from_value(field: &str, v: Option<pbjson_types::Value>) -> Result<Value> 
     }
 }
 
-/// JSON as a protobuf `Value`. An integer a double cannot hold exactly
-/// (stored by an earlier build, or written by hand) goes as the nearest
-/// double rather than leaving the value out.
-pub fn value(v: &Value) -> Option<pbjson_types::Value> {
-    serde_json::from_value(v.clone()).ok().or_else(|| {
-        let mut doubles = v.clone();
-        numbers_as_doubles(&mut doubles);
-        serde_json::from_value(doubles).ok()
-    })
+/// JSON as a protobuf `Value`, with a kind at every level: `null` is
+/// `NullValue`. (pbjson's own conversion from JSON leaves a null's kind
+/// unset, an empty `Value` that other protobuf runtimes refuse to print:
+/// grpcurl answered "nil Value" for any job without a payload.) A number
+/// is a double, so an integer a double cannot hold exactly (stored by an
+/// earlier build, or written by hand) goes as the nearest one.
+pub fn value(v: &Value) -> pbjson_types::Value {
+    use pbjson_types::value::Kind;
+    let kind = match v {
+        Value::Null => Kind::NullValue(0),
+        Value::Bool(b) => Kind::BoolValue(*b),
+        Value::Number(n) => Kind::NumberValue(n.as_f64().unwrap_or(f64::NAN)),
+        Value::String(s) => Kind::StringValue(s.clone()),
+        Value::Array(items) => Kind::ListValue(pbjson_types::ListValue {
+            values: items.iter().map(value).collect(),
+        }),
+        Value::Object(map) => Kind::StructValue(struct_of(map)),
+    };
+    pbjson_types::Value { kind: Some(kind) }
+}
+
+fn struct_of(map: &serde_json::Map<String, Value>) -> pbjson_types::Struct {
+    pbjson_types::Struct {
+        fields: map.iter().map(|(k, v)| (k.clone(), value(v))).collect(),
+    }
 }
 
 fn detail_struct(v: &Option<Value>) -> Option<pbjson_types::Struct> {
-    v.as_ref()
-        .filter(|v| v.is_object())
-        .and_then(|v| serde_json::from_value(v.clone()).ok())
+    match v {
+        Some(Value::Object(map)) => Some(struct_of(map)),
+        _ => None,
+    }
 }
 
 /// A job state as its proto enum.
@@ -170,8 +187,8 @@ pub fn job(j: &Job) -> pb::Job {
         queue: j.queue.clone(),
         kind: j.kind.clone(),
         state: state(j.state) as i32,
-        payload: value(&j.payload),
-        result: j.result.as_ref().and_then(value),
+        payload: Some(value(&j.payload)),
+        result: j.result.as_ref().map(value),
         error: j.error.as_ref().map(|e| pb::JobError {
             class: e.class.clone(),
             message: e.message.clone(),
@@ -216,7 +233,7 @@ pub fn leased_job(j: &Job, attempt_spans: bool) -> pb::LeasedJob {
         job_id: j.id.to_string(),
         queue: j.queue.clone(),
         kind: j.kind.clone(),
-        payload: value(&j.payload),
+        payload: Some(value(&j.payload)),
         attempt: j.attempt,
         max_attempts: j.max_attempts,
         lease_token: j.lease_token.clone().unwrap_or_default(),
@@ -404,9 +421,9 @@ mod tests {
     #[test]
     fn a_stored_integer_past_2_53_is_shown() {
         let shown = value(&serde_json::json!({"id": 9_007_199_254_740_993_u64}));
-        let back = serde_json::to_value(shown.expect("shown")).expect("JSON");
+        let back = serde_json::to_value(shown).expect("JSON");
         assert_eq!(back["id"].as_f64(), Some(9_007_199_254_740_992.0));
-        let whole = from_value("payload", value(&serde_json::json!({"n": 5}))).expect("JSON");
+        let whole = from_value("payload", Some(value(&serde_json::json!({"n": 5})))).expect("JSON");
         assert_eq!(
             whole["n"].as_u64(),
             Some(5),
@@ -447,10 +464,36 @@ mod tests {
         }
     }
 
+    /// Every level has a kind: an empty `Value` (a null's, as pbjson's
+    /// own conversion made it) is one other runtimes refuse to print.
+    #[test]
+    fn nulls_have_a_kind_at_every_level() {
+        use pbjson_types::value::Kind;
+        fn kinds_set(v: &pbjson_types::Value) -> bool {
+            match &v.kind {
+                None => false,
+                Some(Kind::ListValue(list)) => list.values.iter().all(kinds_set),
+                Some(Kind::StructValue(s)) => s.fields.values().all(kinds_set),
+                Some(_) => true,
+            }
+        }
+        assert_eq!(
+            value(&Value::Null).kind,
+            Some(Kind::NullValue(0)),
+            "a job without a payload"
+        );
+        let nested = serde_json::json!({"a": null, "b": [null, {"c": null}]});
+        assert!(kinds_set(&value(&nested)), "{:?}", value(&nested));
+        assert_eq!(
+            from_value("payload", Some(value(&nested))).expect("back"),
+            nested
+        );
+    }
+
     #[test]
     fn json_values_round_trip() {
         let v = serde_json::json!({"a": [1.5, "x", null, true], "b": {"c": "d"}});
-        let pb = value(&v).expect("converts");
+        let pb = value(&v);
         assert_eq!(from_value("payload", Some(pb)).expect("back"), v);
     }
 

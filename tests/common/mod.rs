@@ -466,8 +466,11 @@ pub fn req<T>(tenant: &str, msg: T) -> tonic::Request<T> {
 // Values, times, states
 // ---------------------------------------------------------------------------
 
+/// JSON as a `google.protobuf.Value` the way protobuf clients send it (a
+/// kind at every level, `null` as `NullValue`), which is also how the
+/// server answers.
 pub fn json_to_value(v: serde_json::Value) -> pbjson_types::Value {
-    serde_json::from_value(v).expect("JSON converts to google.protobuf.Value")
+    intray::api::convert::value(&v)
 }
 
 pub fn value_to_json(v: &pbjson_types::Value) -> serde_json::Value {
