@@ -183,7 +183,7 @@ pub struct ServeArgs {
     #[arg(long, env = "INTRAY_AUTH_FILE", value_name = "PATH")]
     pub auth_file: Option<PathBuf>,
 
-    /// How often the token file and TLS files are checked for changes (SIGHUP reloads at once).
+    /// How often the token file, the TLS files and the webhooks file are checked for changes (SIGHUP reloads at once).
     #[arg(long, env = "INTRAY_RELOAD_INTERVAL", default_value = "5s", value_parser = duration)]
     pub reload_interval: Duration,
 
