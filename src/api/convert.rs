@@ -109,7 +109,8 @@ pub fn value(v: &Value) -> pbjson_types::Value {
     let kind = match v {
         Value::Null => Kind::NullValue(0),
         Value::Bool(b) => Kind::BoolValue(*b),
-        Value::Number(n) => Kind::NumberValue(n.as_f64().unwrap_or(f64::NAN)),
+        // None only with serde_json's arbitrary_precision, not built here.
+        Value::Number(n) => Kind::NumberValue(n.as_f64().unwrap_or_default()),
         Value::String(s) => Kind::StringValue(s.clone()),
         Value::Array(items) => Kind::ListValue(pbjson_types::ListValue {
             values: items.iter().map(value).collect(),
@@ -487,6 +488,17 @@ mod tests {
         assert_eq!(
             from_value("payload", Some(value(&nested))).expect("back"),
             nested
+        );
+        // And a null without a kind, as pbjson-based clients send one, is
+        // still read as null.
+        let kindless = pbjson_types::Value {
+            kind: Some(Kind::StructValue(pbjson_types::Struct {
+                fields: [("a".to_string(), pbjson_types::Value { kind: None })].into(),
+            })),
+        };
+        assert_eq!(
+            from_value("payload", Some(kindless)).expect("read"),
+            serde_json::json!({"a": null})
         );
     }
 

@@ -357,17 +357,23 @@ impl JobService for JobsApi {
         let store = Arc::clone(&self.ctx.store);
         let reason = reason.map(str::to_owned);
         let grace = self.ctx.settings.cancel_grace;
-        let job =
-            detached(async move { store.cancel(&tenant, id, reason.as_deref(), grace).await })
-                .await?;
-        if job.state == JobState::Running
-            && let Some(end) = job.lease_expires_at
-        {
-            // The lease's end is the database's time; the pass comes just
-            // after it, so that the database's clock has passed it too.
-            let left = (end - self.ctx.store.now()).to_std().unwrap_or_default();
-            self.ctx.reap_at.after(left + REAP_MARGIN);
-        }
+        let reap_at = self.ctx.reap_at.clone();
+        // The pass is asked for in the detached task too: a caller gone
+        // after the commit must not leave the job to the next interval.
+        let job = detached(async move {
+            let job = store.cancel(&tenant, id, reason.as_deref(), grace).await?;
+            if job.state == JobState::Running
+                && let Some(end) = job.lease_expires_at
+            {
+                // The lease's end is the database's time; the pass comes
+                // just after it, so that the database's clock has passed
+                // it too.
+                let left = (end - store.now()).to_std().unwrap_or_default();
+                reap_at.after(left + REAP_MARGIN);
+            }
+            Ok::<_, StoreError>(job)
+        })
+        .await?;
         self.ctx.observer.cancelled(&job);
         Ok(Response::new(convert::job(&job)))
     }

@@ -38,7 +38,8 @@ fn reader_gone() -> bool {
         let mut fds = [PollFd::new(stdout.as_fd(), PollFlags::empty())];
         match poll(&mut fds, PollTimeout::NONE) {
             // With no event asked for, poll returns only for these; any
-            // other answer ends the watch rather than spin on it.
+            // other answer ends the polling (the watch goes on) rather
+            // than spin on it.
             Ok(_) => {
                 let gone = PollFlags::POLLERR | PollFlags::POLLHUP | PollFlags::POLLNVAL;
                 return fds[0].revents().is_some_and(|r| r.intersects(gone));

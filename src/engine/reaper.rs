@@ -22,9 +22,18 @@ const BATCH: u32 = 500;
 /// past it the interval's passes still come.
 const MOST_SCHEDULED: usize = 10_000;
 
-/// Passes closer together than this are one pass: a burst of cancels
-/// costs one.
+/// Passes closer together than this are one pass, at the latest of their
+/// times: a burst of cancels costs one.
 const MERGE: Duration = Duration::from_millis(20);
+
+/// Requests not yet read by a reaper busy with a long pass; past them a
+/// request is dropped, and the interval's passes still come.
+const WAITING_REQUESTS: usize = 1024;
+
+/// A second pass this long after the first, for a job the first could not
+/// end: its row locked at that moment, or this replica's reading of the
+/// database's clock behind.
+const FOLLOW_UP: Duration = Duration::from_secs(1);
 
 /// Asks the reaper of this replica for a pass at a given time, besides
 /// its interval's. A cancelled running job's lease ends when its grace
@@ -33,20 +42,22 @@ const MERGE: Duration = Duration::from_millis(20);
 /// first, another replica's interval pass ends the job.
 #[derive(Clone, Debug)]
 pub struct ReapAt {
-    wakes: mpsc::UnboundedSender<Instant>,
+    wakes: mpsc::Sender<Instant>,
 }
 
 impl ReapAt {
     /// A handle, and the receiver to give [`run`].
-    pub fn new() -> (ReapAt, mpsc::UnboundedReceiver<Instant>) {
-        let (wakes, received) = mpsc::unbounded_channel();
+    pub fn new() -> (ReapAt, mpsc::Receiver<Instant>) {
+        let (wakes, received) = mpsc::channel(WAITING_REQUESTS);
         (ReapAt { wakes }, received)
     }
 
-    /// A pass once `delay` has passed.
+    /// A pass once `delay` has passed, and a follow-up [`FOLLOW_UP`] later.
     pub fn after(&self, delay: Duration) {
-        // A reaper stopped (shutdown) has no pass left to run.
-        let _ = self.wakes.send(Instant::now() + delay);
+        let at = Instant::now() + delay;
+        // Full, or the reaper stopped (shutdown): the interval covers it.
+        let _ = self.wakes.try_send(at);
+        let _ = self.wakes.try_send(at + FOLLOW_UP);
     }
 }
 
@@ -58,7 +69,7 @@ pub async fn run(
     interval: Duration,
     retention: Duration,
     observer: Arc<Observer>,
-    mut wakes: mpsc::UnboundedReceiver<Instant>,
+    mut wakes: mpsc::Receiver<Instant>,
     stop: CancellationToken,
 ) {
     let mut ticker = tokio::time::interval(interval);
@@ -75,7 +86,7 @@ pub async fn run(
             }
             () = sleep_until(next) => {
                 let now = Instant::now();
-                scheduled.retain(|&at| at > now + MERGE);
+                scheduled.retain(|&at| at > now);
                 false
             }
         };
@@ -119,13 +130,18 @@ pub async fn run(
     }
 }
 
-/// Adds a pass at `at` unless one is already due within [`MERGE`] of it,
-/// or [`MOST_SCHEDULED`] are.
+/// Adds a pass at `at`, unless [`MOST_SCHEDULED`] are due. One due within
+/// [`MERGE`] of it becomes a pass at the later of the two, so that no pass
+/// comes before a time asked for.
 fn schedule(scheduled: &mut BTreeSet<Instant>, at: Instant) {
     let from = at.checked_sub(MERGE).unwrap_or(at);
-    let near = scheduled.range(from..=at + MERGE).next().is_some();
-    if !near && scheduled.len() < MOST_SCHEDULED {
-        scheduled.insert(at);
+    let near: Vec<Instant> = scheduled.range(from..=at + MERGE).copied().collect();
+    let latest = near.iter().copied().fold(at, Instant::max);
+    for merged in &near {
+        scheduled.remove(merged);
+    }
+    if scheduled.len() < MOST_SCHEDULED {
+        scheduled.insert(latest);
     }
 }
 
@@ -142,13 +158,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn passes_asked_for_close_together_are_one() {
+    fn passes_asked_for_close_together_are_one_at_the_latest() {
         let mut scheduled = BTreeSet::new();
         let at = Instant::now() + Duration::from_secs(1);
         schedule(&mut scheduled, at);
         schedule(&mut scheduled, at + MERGE / 2);
         schedule(&mut scheduled, at - MERGE / 2);
-        assert_eq!(scheduled.len(), 1);
+        assert_eq!(
+            scheduled.iter().copied().collect::<Vec<_>>(),
+            [at + MERGE / 2],
+            "never before a time asked for"
+        );
         schedule(&mut scheduled, at + MERGE * 2);
         assert_eq!(scheduled.len(), 2);
     }

@@ -16,7 +16,7 @@ use tokio::process::{Child, Command};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use super::guard::Guard;
+use super::guard::{Guard, Watched};
 use crate::worker::{CancelReason, Job, JobContext, JobError};
 
 /// `EX_TEMPFAIL` from sysexits.h: "try again later".
@@ -94,13 +94,10 @@ impl CommandSpec {
             )
         })?;
         let pid = child.id().and_then(|id| i32::try_from(id).ok());
-        // Taken off the guard's list as `run` returns: after the reaping.
-        let _watched = self
-            .guard
-            .as_deref()
-            .zip(pid)
-            .map(|(guard, pid)| guard.watch(pid));
-        let mut exit = pid.map(ExitWatch::spawn);
+        let mut exit = pid.map(|pid| {
+            let watched = self.guard.as_ref().map(|guard| guard.watch(pid));
+            ExitWatch::spawn(pid, watched)
+        });
 
         let payload = serde_json::to_vec(&job.payload).unwrap_or_default();
         let stdin = child.stdin.take().map(|mut stdin| {
@@ -223,10 +220,14 @@ struct ExitWatch {
     /// `Some(true)` once the command exited, `Some(false)` if the wait
     /// failed; closed if the wait never ran (the runtime shutting down).
     state: watch::Receiver<Option<bool>>,
+    /// The group on the guard's list, taken off once the group is killed
+    /// and before the command is reaped: afterwards its id may be another
+    /// process's.
+    watched: Option<Watched>,
 }
 
 impl ExitWatch {
-    fn spawn(pid: i32) -> ExitWatch {
+    fn spawn(pid: i32, watched: Option<Watched>) -> ExitWatch {
         let (tell, state) = watch::channel(None);
         tokio::task::spawn_blocking(move || {
             let flags = WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT;
@@ -246,6 +247,7 @@ impl ExitWatch {
         ExitWatch {
             group: Pid::from_raw(pid),
             state,
+            watched,
         }
     }
 
@@ -273,6 +275,7 @@ async fn reap_after_group(
     };
     if watch.exited().await {
         let _ = killpg(watch.group, Signal::SIGKILL);
+        watch.watched.take();
         return child.wait().await;
     }
     let status = child.wait().await;
@@ -483,7 +486,7 @@ mod tests {
             .id()
             .and_then(|id| i32::try_from(id).ok())
             .expect("running");
-        let mut exit = Some(ExitWatch::spawn(leader));
+        let mut exit = Some(ExitWatch::spawn(leader, None));
         assert!(exit.as_mut().expect("watch").exited().await, "exited");
         let stat = std::fs::read_to_string(format!("/proc/{leader}/stat")).expect("still listed");
         let state = stat

@@ -20,7 +20,7 @@ use std::collections::HashSet;
 use std::io::{BufRead, Write};
 use std::os::unix::process::CommandExt;
 use std::process::{Child, ChildStdin, Stdio};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use clap::Args;
@@ -68,11 +68,14 @@ impl Guard {
     }
 
     /// Lists `group` until the returned value is dropped, which must come
-    /// after the command is reaped: until then its group id cannot name an
-    /// unrelated process's group.
-    pub fn watch(&self, group: i32) -> Watched<'_> {
+    /// before the command is reaped: afterwards its id may be given to
+    /// another process, which the guard must never signal.
+    pub fn watch(self: &Arc<Self>, group: i32) -> Watched {
         self.tell(&format!("+{group}\n"));
-        Watched { guard: self, group }
+        Watched {
+            guard: Arc::clone(self),
+            group,
+        }
     }
 
     fn tell(&self, line: &str) {
@@ -100,12 +103,12 @@ impl Guard {
 }
 
 /// A command's group listed by the guard; dropping it takes it off.
-pub struct Watched<'a> {
-    guard: &'a Guard,
+pub struct Watched {
+    guard: Arc<Guard>,
     group: i32,
 }
 
-impl Drop for Watched<'_> {
+impl Drop for Watched {
     fn drop(&mut self) {
         self.guard.tell(&format!("-{}\n", self.group));
     }
@@ -113,16 +116,34 @@ impl Drop for Watched<'_> {
 
 /// The guard: reads the groups until the pipe closes, then stops those left.
 pub fn run(args: &GuardArgs) {
+    ignore_stop_signals();
     let groups = listed(std::io::stdin().lock());
     if groups.is_empty() {
         return;
     }
-    eprintln!(
-        "intray work-guard: the worker ended with {} command(s) running; stopping them (SIGTERM, SIGKILL after {:?})",
-        groups.len(),
+    let running = groups.len();
+    stop(groups, args.kill_after);
+    // Said after the stop, and never allowed to fail: the worker's stderr
+    // may have died with it (`intray work 2>&1 | tee log`, killed as a
+    // job), and a failed write must not cost the commands their stop.
+    let _ = writeln!(
+        std::io::stderr(),
+        "intray work-guard: the worker ended with {running} command(s) running; stopped them (SIGTERM, SIGKILL after {:?})",
         args.kill_after
     );
-    stop(&groups, args.kill_after);
+}
+
+/// SIGTERM, SIGINT and SIGHUP reach the guard with its worker (systemd
+/// signals the whole unit, a closed terminal its session), but the guard's
+/// job is to outlive the worker: only the pipe's end stops it, and
+/// SIGKILL.
+fn ignore_stop_signals() {
+    use nix::sys::signal::{SigHandler, signal};
+    for stop in [Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP] {
+        // SAFETY: SIG_IGN installs no handler, so no code runs in a
+        // signal context.
+        let _ = unsafe { signal(stop, SigHandler::SigIgn) };
+    }
 }
 
 /// The groups listed and not taken off when `input` ends (or fails).
@@ -130,17 +151,14 @@ fn listed(input: impl BufRead) -> HashSet<i32> {
     let mut groups = HashSet::new();
     for line in input.lines() {
         let Ok(line) = line else { break };
-        let (sign, number) = line.split_at(line.len().min(1));
         // A group id is above 1: 0 and 1 would signal the guard's own
         // group or every process.
-        match (sign, number.parse::<i32>()) {
-            ("+", Ok(group)) if group > 1 => {
+        if let Some(Ok(group)) = line.strip_prefix('+').map(str::parse::<i32>) {
+            if group > 1 {
                 groups.insert(group);
             }
-            ("-", Ok(group)) => {
-                groups.remove(&group);
-            }
-            _ => {}
+        } else if let Some(Ok(group)) = line.strip_prefix('-').map(str::parse::<i32>) {
+            groups.remove(&group);
         }
     }
     groups
@@ -148,20 +166,23 @@ fn listed(input: impl BufRead) -> HashSet<i32> {
 
 /// SIGTERM to each group, then SIGKILL to those still there after
 /// `kill_after`. The commands are not the guard's children: whether a group
-/// is gone is asked with signal 0.
-fn stop(groups: &HashSet<i32>, kill_after: Duration) {
-    let alive = |group: i32| killpg(Pid::from_raw(group), None) != Err(Errno::ESRCH);
-    for &group in groups {
+/// is gone is asked with signal 0, and a group once gone is never signalled
+/// again, since its id may be reused.
+fn stop(mut groups: HashSet<i32>, kill_after: Duration) {
+    let alive = |group: &i32| killpg(Pid::from_raw(*group), None) != Err(Errno::ESRCH);
+    for &group in &groups {
         let _ = killpg(Pid::from_raw(group), Signal::SIGTERM);
     }
     let until = Instant::now() + kill_after;
-    while Instant::now() < until && groups.iter().any(|&group| alive(group)) {
+    loop {
+        groups.retain(alive);
+        if groups.is_empty() || Instant::now() >= until {
+            break;
+        }
         std::thread::sleep(POLL);
     }
-    for &group in groups {
-        if alive(group) {
-            let _ = killpg(Pid::from_raw(group), Signal::SIGKILL);
-        }
+    for group in groups {
+        let _ = killpg(Pid::from_raw(group), Signal::SIGKILL);
     }
 }
 
@@ -177,7 +198,7 @@ mod tests {
 
     #[test]
     fn lines_that_name_no_group_are_ignored() {
-        let input = "+0\n+1\n+-5\n+abc\n\n200\n+400\n+500";
+        let input = "+0\n+1\n+-5\n+abc\n\n200\n\u{e9}9\n+400\n+500";
         assert_eq!(listed(input.as_bytes()), HashSet::from([400, 500]));
     }
 }
