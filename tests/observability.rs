@@ -105,6 +105,27 @@ impl Collector {
         Tracing::to_endpoint(&format!("http://{}", self.addr)).expect("build the OTLP exporter")
     }
 
+    /// Receives until `done` holds for the spans so far, from a server in
+    /// another process (which exports on its own schedule), or panics after
+    /// 15 s.
+    async fn received(&mut self, what: &str, done: impl Fn(&[Span]) -> bool) {
+        let give_up = tokio::time::Instant::now() + Duration::from_secs(15);
+        while !done(&self.spans) {
+            let next = tokio::time::timeout_at(give_up, self.rx.recv()).await;
+            let Ok(Some(req)) = next else {
+                panic!(
+                    "collector never saw {what}; got {:#?}",
+                    self.spans.iter().map(|s| &s.name).collect::<Vec<_>>()
+                );
+            };
+            for rs in req.resource_spans {
+                for ss in rs.scope_spans {
+                    self.spans.extend(ss.spans);
+                }
+            }
+        }
+    }
+
     /// Receives until `done` holds for the spans so far (flushing `tracing`
     /// meanwhile), or panics after 15 s.
     async fn until(&mut self, tracing: &Tracing, what: &str, done: impl Fn(&[Span]) -> bool) {
@@ -219,6 +240,11 @@ fn tree(spans: &[Span], trace_id: &[u8]) -> String {
 
 /// A submit carrying the caller's `traceparent`.
 fn traced_submit(traceparent: &str, r: pb::SubmitRequest) -> tonic::Request<pb::SubmitRequest> {
+    traced(traceparent, r)
+}
+
+/// A request carrying the caller's `traceparent`.
+fn traced<T>(traceparent: &str, r: T) -> tonic::Request<T> {
     let mut request = tonic::Request::new(r);
     request.metadata_mut().insert(
         "traceparent",
@@ -324,6 +350,103 @@ async fn an_http_submit_is_traced_like_a_grpc_one(backend: Backend) {
 /// A server that exports no spans hands a worker the submitter's own trace
 /// context, or none: the attempt span's context, which it used to hand,
 /// left the worker's spans under a parent that was never exported.
+/// The built binary, which installs the process's tracing subscriber (an
+/// in-process test server has its own trace pipeline but no global
+/// subscriber, so the store's spans of `tracing` reach no exporter there).
+mod binary {
+    #[tokio::test]
+    async fn a_detached_writes_span_nests_under_its_call() {
+        super::a_detached_writes_span_nests_under_its_call().await
+    }
+}
+
+/// A write a handler runs in a task of its own, so that it commits though
+/// the caller leaves (`Cancel`'s), still has its span under the call's: a
+/// spawned task starts outside every span, and `store.cancel` was a trace
+/// of its own.
+async fn a_detached_writes_span_nests_under_its_call() {
+    let mut collector = Collector::start().await;
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let free = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+    };
+    let (grpc, http) = (free(), free());
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_intray"));
+    for (key, _) in std::env::vars() {
+        if key.starts_with("INTRAY_") || key.starts_with("OTEL_") {
+            command.env_remove(key);
+        }
+    }
+    let _serve = command
+        .arg("serve")
+        .args([
+            "--database-url",
+            &format!("sqlite://{}", dir.path().join("t.db").display()),
+        ])
+        .args([
+            "--grpc-addr",
+            &grpc.to_string(),
+            "--http-addr",
+            &http.to_string(),
+        ])
+        .env(
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            format!("http://{}", collector.addr),
+        )
+        .env("OTEL_BSP_SCHEDULE_DELAY", "100")
+        .env("RUST_LOG", "warn")
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start intray serve");
+    let channel = within(Duration::from_secs(20), "the server to listen", async {
+        loop {
+            let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{grpc}"))
+                .expect("endpoint");
+            if let Ok(channel) = endpoint.connect().await {
+                return channel;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    let mut jobs = pb::job_service_client::JobServiceClient::new(channel);
+    let job = jobs
+        .submit(submit_req("obs", "k", json!({})))
+        .await
+        .expect("Submit")
+        .into_inner()
+        .job
+        .expect("job");
+    let (caller, header) = caller_context();
+    let cancel = pb::CancelJobRequest {
+        id: job.id.clone(),
+        reason: "traced".into(),
+    };
+    jobs.cancel(traced(&header, cancel)).await.expect("Cancel");
+
+    let trace_id = caller.trace_id.to_vec();
+    let in_trace = |spans: &[Span], name: &str| {
+        spans
+            .iter()
+            .find(|s| s.name == name && s.trace_id == trace_id)
+            .cloned()
+    };
+    collector
+        .received("Cancel and store.cancel in one trace", |spans| {
+            in_trace(spans, "intray.v1.JobService/Cancel").is_some()
+                && in_trace(spans, "store.cancel").is_some()
+        })
+        .await;
+    let call = in_trace(&collector.spans, "intray.v1.JobService/Cancel").expect("the call");
+    let write = in_trace(&collector.spans, "store.cancel").expect("the write");
+    assert_eq!(
+        write.parent_span_id, call.span_id,
+        "the write under its call"
+    );
+}
+
 async fn without_tracing_a_worker_continues_the_submitters_trace(backend: Backend) {
     let server = TestServer::start(backend).await;
     let mut jobs = server.jobs_client("acme");

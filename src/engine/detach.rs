@@ -11,17 +11,23 @@
 
 use std::future::Future;
 
+use opentelemetry::context::FutureExt as _;
+use tracing::Instrument;
+
 use crate::store::{StoreError, StoreResult};
 
 /// Runs `write` in a task of its own and waits for it: once started it
 /// commits and wakes whoever waits for it, whether or not its caller is
-/// still there to hear the answer.
+/// still there to hear the answer. The task keeps the caller's trace
+/// context, so the write's spans nest under the call's: a spawned task
+/// starts outside it.
 pub async fn detached<T, W>(write: W) -> StoreResult<T>
 where
     T: Send + 'static,
     W: Future<Output = StoreResult<T>> + Send + 'static,
 {
-    tokio::spawn(write)
+    let context = opentelemetry::Context::current();
+    tokio::spawn(write.in_current_span().with_context(context))
         .await
         .map_err(|err| StoreError::Internal(format!("a write's task ended: {err}")))?
 }
