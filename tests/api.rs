@@ -929,6 +929,13 @@ async fn cancel_grace_revokes_lease(backend: Backend) {
         lease_now(&mut workers, "w", "g").await.is_empty(),
         "never retried"
     );
+    // A cancel's lease ended on purpose: no worker died or hung.
+    let metrics = parse(&scrape(server.http_addr).await);
+    assert_eq!(
+        metrics.get("intray_lease_expirations_total{queue=\"g\"}"),
+        None,
+        "not counted as an expired lease"
+    );
     server.stop().await;
 
     // Revoked and CANCELLED at the end of the grace (SPEC: "at the

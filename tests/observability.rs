@@ -704,6 +704,12 @@ async fn an_attempt_the_reaper_ends_has_its_span(backend: Backend) {
         Some("lease_expired")
     );
     assert_eq!(status_code(attempt), StatusCode::Error as i32);
+    let metrics = parse(&scrape(server.http_addr).await);
+    assert_eq!(
+        metrics.get("intray_lease_expirations_total{queue=\"obs\"}"),
+        Some(&1.0),
+        "the lease that ran out is counted"
+    );
     server.stop().await;
     tracing.shutdown().await;
 }

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::domain::{Job, JobEvent, JobState, RetryFilter};
+use crate::domain::{EventType, Job, JobEvent, JobState, RetryFilter};
 use crate::store::{Ended, StoreResult};
 use crate::telemetry::attempt::{self, AttemptSummary};
 use crate::telemetry::{Metrics, Tracing};
@@ -119,20 +119,31 @@ impl Observer {
     /// The reaper reclaimed an attempt whose lease ran out (requeued, or
     /// failed, cancelled or expired).
     pub fn reclaimed(&self, ended: &Ended) {
-        self.metrics.lease_expired(&ended.job.queue);
+        // Only a lease that ran out on its worker (the job queued again, or
+        // failed for it): a cancel past its grace or a deadline passed
+        // while running end the job on purpose, and say nothing of workers
+        // dying or hanging.
+        if matches!(
+            ended.event.kind,
+            EventType::LeaseExpired | EventType::Failed
+        ) {
+            self.metrics.lease_expired(&ended.job.queue);
+        }
         self.ended(ended);
     }
 
     /// A producer cancelled a job (a running one only gets the request).
     pub fn cancelled(&self, job: &Job) {
-        let message = if job.state == JobState::Running {
-            "job cancel requested"
+        // A cancel ends only a queued job; a running one is asked to stop
+        // and stays running.
+        let (from, message) = if job.state == JobState::Running {
+            (JobState::Running, "job cancel requested")
         } else {
-            "job transition"
+            (JobState::Queued, "job transition")
         };
         tracing::info!(
             job_id = %job.id, kind = %job.kind, queue = %job.queue, tenant = %job.tenant,
-            attempt = job.attempt, to = %job.state, message
+            attempt = job.attempt, from = %from, to = %job.state, message
         );
     }
 
@@ -165,10 +176,11 @@ impl Observer {
     }
 
     /// The reaper expired a queued job past its deadline.
-    pub fn deadline_passed(&self, event: &JobEvent) {
+    pub fn deadline_passed(&self, job: &Job, event: &JobEvent) {
         tracing::info!(
-            job_id = %event.job_id, attempt = event.attempt, from = %JobState::Queued,
-            to = %event.state, error_class = "deadline_exceeded", "job transition"
+            job_id = %event.job_id, kind = %job.kind, queue = %job.queue, tenant = %job.tenant,
+            attempt = event.attempt, from = %JobState::Queued, to = %event.state,
+            error_class = "deadline_exceeded", "job transition"
         );
     }
 }

@@ -100,8 +100,8 @@ pub async fn run(
                     for ended in &reaped.ended {
                         observer.reclaimed(ended);
                     }
-                    for event in &reaped.expired {
-                        observer.deadline_passed(event);
+                    for (job, event) in &reaped.expired {
+                        observer.deadline_passed(job, event);
                     }
                     if reaped != Reaped::default() {
                         tracing::info!(

@@ -215,8 +215,9 @@ pub struct Reaped {
     pub deleted: u64,
     /// The attempts whose lease ran out, for their spans.
     pub ended: Vec<Ended>,
-    /// The `EXPIRED` events of queued jobs past their deadline, for the log.
-    pub expired: Vec<JobEvent>,
+    /// Queued jobs past their deadline, each with its `EXPIRED` event, for
+    /// the log.
+    pub expired: Vec<(Job, JobEvent)>,
 }
 
 impl Reaped {
@@ -225,7 +226,7 @@ impl Reaped {
     /// jobs past their deadline, and the jobs retention deleted.
     fn new(
         reclaimed: Vec<(Option<RunningAttempt>, Job, JobEvent)>,
-        expired: Vec<JobEvent>,
+        expired: Vec<(Job, JobEvent)>,
         deleted: u64,
     ) -> Reaped {
         Reaped {

@@ -2583,7 +2583,6 @@ impl Store for PgStore {
         save(&mut tx, &saved).await?;
         tx.commit().await?;
         self.committed(changes);
-        let expired = past.into_iter().map(|(_, event)| event).collect();
         // Separate, small statement: deleting history must not hold the
         // reaper's row locks longer, nor block claims (it only touches
         // finished rows, which no claim reads). Events have no foreign key
@@ -2637,7 +2636,7 @@ impl Store for PgStore {
         if let Err(err) = forgotten {
             tracing::warn!(error = %err, "forgetting workers past retention failed; trying again next pass");
         }
-        Ok(Reaped::new(reclaimed, expired, deleted))
+        Ok(Reaped::new(reclaimed, past, deleted))
     }
 
     #[tracing::instrument(name = "store.set_paused", skip_all, fields(queue, paused))]

@@ -1524,7 +1524,7 @@ impl Store for SqliteStore {
             let event = transition::deadline_passed(&mut job, now);
             save(&mut tx, &job, &event).await?;
             changes.job_event(&job, &event);
-            expired.push(event);
+            expired.push((job, event));
         }
         self.commit(tx, &changes).await?;
         // What was reclaimed is committed: a failed deletion must not lose

@@ -42,12 +42,21 @@ pub fn init_logging() {
     init(LogFormat::Text, &Tracing::off());
 }
 
+/// The filter `RUST_LOG` asks for, else the default. Set but empty (as
+/// `RUST_LOG=` or an empty Kubernetes value leaves it), it is unset: taken
+/// as written, it showed errors only, not even the start-up lines.
+fn log_filter(rust_log: Option<String>) -> EnvFilter {
+    rust_log
+        .filter(|directives| !directives.trim().is_empty())
+        .and_then(|directives| EnvFilter::try_new(directives).ok())
+        .unwrap_or_else(|| EnvFilter::new(DEFAULT_FILTER))
+}
+
 /// Installs the global subscriber; a second call is a no-op. With tracing
 /// on, the spans of `#[instrument]`ed code (store calls) are exported too,
 /// nested under the call's server span.
 pub fn init(format: LogFormat, tracing: &Tracing) {
-    let filter =
-        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(DEFAULT_FILTER));
+    let filter = log_filter(std::env::var("RUST_LOG").ok());
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let fmt = match format {
         LogFormat::Text => tracing_subscriber::fmt::layer()
@@ -72,4 +81,18 @@ pub fn init(format: LogFormat, tracing: &Tracing) {
         .with(fmt.with_filter(filter))
         .with(otel)
         .try_init();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_empty_rust_log_is_the_default() {
+        let default = EnvFilter::new(DEFAULT_FILTER).to_string();
+        assert_eq!(log_filter(None).to_string(), default);
+        assert_eq!(log_filter(Some(String::new())).to_string(), default);
+        assert_eq!(log_filter(Some("  ".into())).to_string(), default);
+        assert_eq!(log_filter(Some("debug".into())).to_string(), "debug");
+    }
 }

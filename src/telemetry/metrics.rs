@@ -201,7 +201,7 @@ impl Default for Metrics {
 impl Metrics {
     /// Empty metrics.
     pub fn new() -> Self {
-        Metrics {
+        let metrics = Metrics {
             jobs: Family::new(
                 "intray_jobs",
                 "Jobs by tenant, queue and state (refreshed on a timer).",
@@ -239,7 +239,7 @@ impl Metrics {
             ),
             lease_expirations: Family::new(
                 "intray_lease_expirations_total",
-                "Leases the reaper reclaimed because they ran out.",
+                "Leases the reaper reclaimed because they ran out on their worker (the job queued again or failed lease_expired; not a cancel past its grace or a deadline passed while running).",
                 &["queue"],
             ),
             dead_set_arrivals: Family::new(
@@ -278,7 +278,11 @@ impl Metrics {
                 "POST /hooks/{source} calls by source and HTTP status.",
                 &["source", "code"],
             ),
-        }
+        };
+        // At 0 from the start: a series that appears at 1 hides its first
+        // increase from rate() and increase().
+        metrics.refresh_failures.with(&[], || 0.0, |_| {});
+        metrics
     }
 
     /// Replaces the database gauges with a fresh reading; queues that
@@ -484,6 +488,10 @@ mod tests {
             "intray_rpc_responses_total{method=\"/intray.v1.JobService/Submit\",code=\"OK\"} 1"
         ));
         assert!(text.contains("# TYPE intray_jobs gauge"));
+        assert!(
+            text.contains("\nintray_metrics_refresh_failures_total 0\n"),
+            "a counter at 0 from the start"
+        );
     }
 
     #[test]

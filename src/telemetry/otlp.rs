@@ -7,6 +7,7 @@
 
 use std::cell::Cell;
 use std::sync::Arc;
+use std::time::Duration;
 
 use opentelemetry::KeyValue;
 use opentelemetry::trace::{SpanId, TraceId, TracerProvider as _};
@@ -17,6 +18,9 @@ use opentelemetry_sdk::trace::{IdGenerator, RandomIdGenerator, SdkTracer, SdkTra
 /// `service.name` when neither `OTEL_SERVICE_NAME` nor
 /// `OTEL_RESOURCE_ATTRIBUTES` names one.
 pub const DEFAULT_SERVICE_NAME: &str = "intray";
+
+/// The SDK's export timeout when the environment sets none.
+const DEFAULT_EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Why the exporter could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -34,6 +38,9 @@ pub struct Tracing {
 struct Pipeline {
     provider: SdkTracerProvider,
     tracer: SdkTracer,
+    /// The export timeout, which the last flush at shutdown may take too
+    /// (the SDK's own bound there is 5 s, whatever the export's).
+    export_timeout: Duration,
 }
 
 impl Tracing {
@@ -67,14 +74,22 @@ impl Tracing {
             .with_endpoint(endpoint)
             .build()
             .map_err(|e| TracingError(e.to_string()))?;
+        let env = |name: &str| std::env::var(name).ok();
         let provider = SdkTracerProvider::builder()
             .with_batch_exporter(exporter)
             .with_id_generator(PresetIds::default())
-            .with_resource(resource())
+            .with_resource(resource(
+                Resource::builder().build(),
+                env("OTEL_SERVICE_NAME"),
+            ))
             .build();
         let tracer = provider.tracer("intray");
         Ok(Tracing {
-            inner: Some(Arc::new(Pipeline { provider, tracer })),
+            inner: Some(Arc::new(Pipeline {
+                provider,
+                tracer,
+                export_timeout: export_timeout(env),
+            })),
         })
     }
 
@@ -106,7 +121,9 @@ impl Tracing {
     pub async fn shutdown(&self) {
         if let Some(p) = &self.inner {
             let provider = p.provider.clone();
-            match tokio::task::spawn_blocking(move || provider.shutdown()).await {
+            let timeout = p.export_timeout;
+            match tokio::task::spawn_blocking(move || provider.shutdown_with_timeout(timeout)).await
+            {
                 Ok(Ok(())) => {}
                 Ok(Err(err)) => tracing::warn!(error = %err, "trace shutdown failed"),
                 Err(err) => tracing::warn!(error = %err, "trace shutdown task failed"),
@@ -175,19 +192,41 @@ pub fn settings_from(env: impl Fn(&str) -> Option<String>) -> TraceSettings {
     settings
 }
 
-/// The environment's resource, named `intray` unless it names itself.
-fn resource() -> Resource {
-    let detected = Resource::builder().build();
-    let named = detected
+/// The environment's resource (`detected`), named `intray` unless it
+/// names itself. `OTEL_SERVICE_NAME` (`service_name`) wins over a
+/// `service.name` in `OTEL_RESOURCE_ATTRIBUTES`, as the specification
+/// orders them; the SDK's detectors apply them the other way round.
+fn resource(detected: Resource, service_name: Option<String>) -> Resource {
+    let detected_name = detected
         .get(&opentelemetry::Key::new("service.name"))
-        .is_some_and(|v| !v.as_str().starts_with("unknown_service"));
-    if named {
-        detected
-    } else {
-        Resource::builder()
-            .with_attributes([KeyValue::new("service.name", DEFAULT_SERVICE_NAME)])
-            .build()
-    }
+        .map(|v| v.as_str().into_owned())
+        .filter(|name| !name.starts_with("unknown_service"));
+    let name = service_name
+        .map(|name| name.trim().to_owned())
+        .filter(|name| !name.is_empty())
+        .or(detected_name)
+        .unwrap_or_else(|| DEFAULT_SERVICE_NAME.to_owned());
+    Resource::builder_empty()
+        .with_attributes(
+            detected
+                .iter()
+                .map(|(k, v)| KeyValue::new(k.clone(), v.clone())),
+        )
+        .with_service_name(name)
+        .build()
+}
+
+/// The export timeout the environment sets: `OTEL_EXPORTER_OTLP_TRACES_TIMEOUT`,
+/// else `OTEL_EXPORTER_OTLP_TIMEOUT` (milliseconds), else 10 s, as the SDK
+/// reads them for each export.
+fn export_timeout(env: impl Fn(&str) -> Option<String>) -> Duration {
+    [
+        "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
+        "OTEL_EXPORTER_OTLP_TIMEOUT",
+    ]
+    .into_iter()
+    .find_map(|name| env(name).and_then(|v| v.trim().parse::<u64>().ok()))
+    .map_or(DEFAULT_EXPORT_TIMEOUT, Duration::from_millis)
 }
 
 thread_local! {
@@ -242,6 +281,70 @@ pub(crate) fn with_ids<T>(trace_id: TraceId, span_id: SpanId, build: impl FnOnce
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn service_name(resource: &Resource) -> String {
+        resource
+            .get(&opentelemetry::Key::new("service.name"))
+            .map(|v| v.as_str().into_owned())
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn otel_service_name_wins_over_the_resource_attributes() {
+        let detected = || {
+            Resource::builder_empty()
+                .with_attributes([
+                    KeyValue::new("service.name", "from-attributes"),
+                    KeyValue::new("deployment.environment", "prod"),
+                ])
+                .build()
+        };
+        let named = resource(detected(), Some("from-env".into()));
+        assert_eq!(service_name(&named), "from-env");
+        assert_eq!(
+            named
+                .get(&opentelemetry::Key::new("deployment.environment"))
+                .map(|v| v.as_str().into_owned()),
+            Some("prod".into()),
+            "the other attributes stay"
+        );
+        assert_eq!(service_name(&resource(detected(), None)), "from-attributes");
+        assert_eq!(
+            service_name(&resource(detected(), Some(" ".into()))),
+            "from-attributes"
+        );
+        let unnamed = Resource::builder_empty()
+            .with_attributes([KeyValue::new("service.name", "unknown_service:intray")])
+            .build();
+        assert_eq!(service_name(&resource(unnamed, None)), DEFAULT_SERVICE_NAME);
+    }
+
+    #[test]
+    fn the_export_timeout_comes_from_the_traces_variable_first() {
+        let timeout = |vars: &[(&str, &str)]| {
+            export_timeout(|name| {
+                vars.iter()
+                    .find(|(n, _)| *n == name)
+                    .map(|(_, v)| (*v).to_owned())
+            })
+        };
+        assert_eq!(timeout(&[]), Duration::from_secs(10));
+        assert_eq!(
+            timeout(&[("OTEL_EXPORTER_OTLP_TIMEOUT", "2000")]),
+            Duration::from_secs(2)
+        );
+        assert_eq!(
+            timeout(&[
+                ("OTEL_EXPORTER_OTLP_TIMEOUT", "20000"),
+                ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "3000")
+            ]),
+            Duration::from_secs(3)
+        );
+        assert_eq!(
+            timeout(&[("OTEL_EXPORTER_OTLP_TIMEOUT", "soon")]),
+            Duration::from_secs(10)
+        );
+    }
 
     fn settings(vars: &[(&str, &str)]) -> TraceSettings {
         settings_from(|name| {
