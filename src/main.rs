@@ -135,6 +135,16 @@ async fn serve(args: ServeArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // The files and flags the database does not need, before it is
+    // touched: a typo must not leave a migrated database behind.
+    if let Err(err) = intray::server::preflight(&settings) {
+        eprintln!("error: {}", intray::report::with_causes(&err));
+        let code = match err {
+            intray::server::ServerError::Settings(_) => 2,
+            _ => 1,
+        };
+        return ExitCode::from(code);
+    }
     // Migrations first, then the ports: an open port (the chart's startup
     // probe) then says the schema is current, and a long migration is not
     // taken for a server that hangs. `run_with` finds nothing left to apply.

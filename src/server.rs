@@ -85,6 +85,25 @@ fn token_source(settings: &Settings) -> Result<TokenSource, TokenFileError> {
     }
 }
 
+/// Reads what the settings name besides the database (the token file, the
+/// TLS files) and checks the allowed hosts, keeping nothing: `intray serve`
+/// runs it before migrating, so that a bad file or flag stops the server
+/// before it touches the database. [`run_with`] reads them again for use.
+pub fn preflight(settings: &Settings) -> Result<(), ServerError> {
+    if let Some(path) = &settings.auth_file {
+        TokenSource::from_file(path)?;
+    }
+    crate::http::AllowedHosts::new(
+        settings.http_allowed_hosts.as_deref(),
+        settings.auth_file.is_none(),
+    )
+    .map_err(ServerError::Settings)?;
+    if let Some(files) = &settings.tls {
+        TlsState::load(files.clone())?;
+    }
+    Ok(())
+}
+
 /// Serves the gRPC API on `listener` until `shutdown` completes, without
 /// the HTTP port: see [`run_with`].
 pub async fn run(
@@ -105,7 +124,8 @@ pub async fn run_with(
     http: Option<TcpListener>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServerError> {
-    // Files first: a bad token file or certificate fails before migrations.
+    // Files first: a bad token file or certificate fails before the store
+    // opens (`intray serve` has checked them before migrating: `preflight`).
     let tokens = Arc::new(token_source(&settings)?);
     let hosts = crate::http::AllowedHosts::new(
         settings.http_allowed_hosts.as_deref(),

@@ -276,3 +276,90 @@ async fn cli_presents_a_client_certificate() {
     assert_eq!(refused.status.code(), Some(1), "{}", stderr(&refused));
     server.stop().await;
 }
+
+/// A bad token file, certificate or host list stops `intray serve` before
+/// it touches the database: it used to migrate first, and left a database
+/// behind for a typo.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_stops_at_a_bad_file_before_the_database_is_made() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let bad_tokens = dir.path().join("bad-tokens");
+    std::fs::write(&bad_tokens, "short acme producer\n").expect("write the token file");
+    let missing_cert = dir.path().join("none.crt");
+    let cases: [(&str, Vec<String>, i32); 3] = [
+        (
+            "a token too short",
+            vec!["--auth-file".into(), bad_tokens.display().to_string()],
+            1,
+        ),
+        (
+            "a certificate that is not there",
+            vec![
+                "--tls-cert".into(),
+                missing_cert.display().to_string(),
+                "--tls-key".into(),
+                missing_cert.display().to_string(),
+            ],
+            1,
+        ),
+        (
+            "a host with a port",
+            vec![
+                "--auth-file".into(),
+                token_file(dir.path()).display().to_string(),
+                "--http-allowed-hosts".into(),
+                "intray:8080".into(),
+            ],
+            2,
+        ),
+    ];
+    for (what, flags, code) in cases {
+        let db = dir.path().join("never.db");
+        let url = format!("sqlite://{}", db.display());
+        let mut args = vec![
+            "serve",
+            "--database-url",
+            &url,
+            "--grpc-addr",
+            "127.0.0.1:0",
+            "--http-addr",
+            "127.0.0.1:0",
+        ];
+        args.extend(flags.iter().map(String::as_str));
+        let output = intray(&args, &[]).await;
+        assert_eq!(
+            output.status.code(),
+            Some(code),
+            "{what}: {}",
+            stderr(&output)
+        );
+        assert!(!db.exists(), "{what}: the database was made");
+    }
+}
+
+/// A token sent over plaintext to another machine is warned about; to this
+/// one it is not (nothing crosses a network).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_in_cleartext_to_another_machine_is_warned_about() {
+    let id = "01a25092-6ee1-7000-8000-000000000000";
+    // 0.0.0.0 is not loopback, and reaches this machine's closed port at once.
+    let far = intray(
+        &["--addr", "http://0.0.0.0:9", "--token", PRODUCER, "get", id],
+        &[],
+    )
+    .await;
+    assert!(stderr(&far).contains("cleartext"), "{}", stderr(&far));
+    let near = intray(
+        &[
+            "--addr",
+            "http://127.0.0.1:9",
+            "--token",
+            PRODUCER,
+            "get",
+            id,
+        ],
+        &[],
+    )
+    .await;
+    assert!(!stderr(&near).contains("cleartext"), "{}", stderr(&near));
+}

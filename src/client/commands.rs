@@ -214,6 +214,17 @@ pub(crate) fn endpoint(opts: &ClientOpts) -> Result<(String, Endpoint), ClientEr
                 "--tls-ca and --client-cert need an https:// address, not {addr:?}"
             )));
         }
+        let token = opts.token.as_deref().is_some_and(|t| !t.trim().is_empty());
+        if token && !is_loopback(endpoint.uri().host()) {
+            // Warned, not refused: inside a service mesh the plaintext
+            // hop is the sidecar's, which encrypts it.
+            let _ = writeln!(
+                io::stderr(),
+                "warning: the token goes in cleartext to {addr}: anyone on the way can read it \
+                 and act as this client; use https://, unless what carries the connection \
+                 encrypts it (a service mesh's mTLS)"
+            );
+        }
         return Ok((addr, endpoint));
     }
     // The system's roots only without `--tls-ca`: loading them fails where
@@ -242,6 +253,17 @@ pub(crate) fn endpoint(opts: &ClientOpts) -> Result<(String, Endpoint), ClientEr
             ))
         })?;
     Ok((addr, endpoint))
+}
+
+/// Whether `host` names this machine: a token sent there in cleartext
+/// never crosses a network.
+fn is_loopback(host: Option<&str>) -> bool {
+    let Some(host) = host else { return false };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 fn read_pem(path: &Path, flag: &str) -> Result<Vec<u8>, ClientError> {
@@ -689,6 +711,30 @@ mod tests {
 
     use super::*;
     use crate::client::args::RetryStateArg;
+
+    #[test]
+    fn only_this_machine_is_loopback() {
+        for host in [
+            "localhost",
+            "LOCALHOST",
+            "127.0.0.1",
+            "127.9.9.9",
+            "[::1]",
+            "::1",
+        ] {
+            assert!(is_loopback(Some(host)), "{host}");
+        }
+        for host in [
+            "intray.example.com",
+            "10.0.0.5",
+            "0.0.0.0",
+            "[2001:db8::1]",
+            "localhost.evil.com",
+        ] {
+            assert!(!is_loopback(Some(host)), "{host}");
+        }
+        assert!(!is_loopback(None));
+    }
 
     #[derive(Parser)]
     struct Cli {
