@@ -543,26 +543,20 @@ async fn python_a_payload_large_as_protobuf_is_run(backend: Backend) {
     server.stop().await;
 }
 
-/// A server that limits the worker's rate answers `RESOURCE_EXHAUSTED`
-/// with a `RetryInfo` saying when the next call will pass, and the worker
-/// waits that out rather than its own backoff, from 0.1 s. At one call
-/// each 2 s (burst 1) against a 1 s long poll, an answered `Lease` is
-/// followed by about one refused; ignoring the delay, by four or five (15
-/// refused to 4 answered in 8 s, by hand).
-async fn python_lease_waits_out_the_servers_retry_info(backend: Backend) {
-    let env = setup().await;
-    let server = TestServer::start_with(backend, |s| {
+/// A server allowing each caller `per_second` calls, one at a time.
+async fn rate_limited(backend: Backend, per_second: f64) -> TestServer {
+    TestServer::start_with(backend, |s| {
         s.rate_limit = Some(RateLimit {
-            per_second: 0.5,
+            per_second,
             burst: 1,
         });
     })
-    .await;
-    let mut worker = start_worker(env, &server.addr.to_string(), 3);
-    tokio::time::sleep(Duration::from_secs(7)).await;
-    let answered = lease_calls(server.http_addr, "OK").await;
-    let refused = lease_calls(server.http_addr, "RESOURCE_EXHAUSTED").await;
-    assert!(answered >= 2.0, "the worker leased on: {answered} answered");
+    .await
+}
+
+/// Some calls were refused, and each refusal was waited out: at most two
+/// more refused than answered (retrying at once, several times as many).
+fn waited_out(answered: f64, refused: f64) {
     assert!(
         refused >= 1.0,
         "the rate limit was reached: {refused} refused"
@@ -571,6 +565,23 @@ async fn python_lease_waits_out_the_servers_retry_info(backend: Backend) {
         refused <= answered + 2.0,
         "{refused} refused to {answered} answered: the retries did not wait for the server"
     );
+}
+
+/// A server that limits the worker's rate answers `RESOURCE_EXHAUSTED`
+/// with a `RetryInfo` saying when the next call will pass, and the worker
+/// waits that out rather than its own backoff, from 0.1 s. At one call
+/// each 2 s (burst 1) against a 1 s long poll, an answered `Lease` is
+/// followed by about one refused; ignoring the delay, by four or five (15
+/// refused to 4 answered in 8 s, by hand).
+async fn python_lease_waits_out_the_servers_retry_info(backend: Backend) {
+    let env = setup().await;
+    let server = rate_limited(backend, 0.5).await;
+    let mut worker = start_worker(env, &server.addr.to_string(), 3);
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let answered = lease_calls(server.http_addr, "OK").await;
+    let refused = lease_calls(server.http_addr, "RESOURCE_EXHAUSTED").await;
+    assert!(answered >= 2.0, "the worker leased on: {answered} answered");
+    waited_out(answered, refused);
     assert!(
         worker.try_wait().expect("poll the Python worker").is_none(),
         "the Python worker still runs"
@@ -585,13 +596,7 @@ async fn python_lease_waits_out_the_servers_retry_info(backend: Backend) {
 /// the job still ends with its outcome and on its first attempt.
 async fn python_heartbeat_and_outcome_wait_out_the_servers_retry_info(backend: Backend) {
     let env = setup().await;
-    let server = TestServer::start_with(backend, |s| {
-        s.rate_limit = Some(RateLimit {
-            per_second: 0.25,
-            burst: 1,
-        });
-    })
-    .await;
+    let server = rate_limited(backend, 0.25).await;
     let mut jobs = server.jobs_client(TENANT);
     // Before the worker starts, so that the submit has the bucket's token.
     let job = submit(&mut jobs, "py", "sleep", json!({"seconds": 7})).await;
@@ -618,14 +623,7 @@ async fn python_heartbeat_and_outcome_wait_out_the_servers_retry_info(backend: B
     let done = get(&mut jobs, &job.id).await;
     assert_eq!(done.state(), St::Succeeded, "{done:?}");
     assert_eq!(done.attempt, 1, "the lease held: {done:?}");
-    assert!(
-        refused >= 1.0,
-        "the rate limit was reached: {refused} refused"
-    );
-    assert!(
-        refused <= answered + 2.0,
-        "{refused} refused to {answered} answered: the retries did not wait for the server"
-    );
+    waited_out(answered, refused);
     server.stop().await;
 }
 
