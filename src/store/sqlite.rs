@@ -128,11 +128,13 @@ fn pool_options(max_connections: u32) -> SqlitePoolOptions {
 /// Applies the SQLite migrations (creating the file if needed).
 pub async fn migrate(url: &str, strict: bool) -> StoreResult<()> {
     let options = options(url)?;
+    // Before the first connection: connecting a new file switches it to
+    // WAL, and processes doing that at once could find it busy.
+    let _lock = lock_for_migrations(&options).await?;
     let pool = SqlitePoolOptions::new()
         .max_connections(1)
         .connect_with(options.clone())
         .await?;
-    let _lock = lock_for_migrations(&options).await?;
     // The open that follows (`serve`) warns of migrations a newer build
     // applied.
     migrator(strict).run(&pool).await?;
@@ -447,12 +449,13 @@ impl SqliteStore {
     /// Opens (or creates) the file and migrates it.
     pub async fn open(settings: &Settings, notifier: Arc<Notifier>) -> StoreResult<SqliteStore> {
         let options = options(&settings.database_url)?;
+        // Before the first connection, as in `migrate`.
+        let lock = lock_for_migrations(&options).await?;
         let writer = pool_options(1)
             .acquire_timeout(Duration::from_secs(30))
             .connect_with(options.clone())
             .await?;
         let migrator = migrator(false);
-        let lock = lock_for_migrations(&options).await?;
         migrator.run(&writer).await?;
         drop(lock);
         let applied: Option<i64> = sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations")
