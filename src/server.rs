@@ -54,12 +54,11 @@ pub enum ServerError {
     Http(#[from] std::io::Error),
 }
 
-/// The tokens of the configured file, or open mode with a warning that
-/// cannot be missed.
-fn token_source(settings: &Settings) -> Result<TokenSource, TokenFileError> {
-    match &settings.auth_file {
-        Some(path) => {
-            let source = TokenSource::from_file(path)?;
+/// The tokens of the configured file (`read`, from [`read_files`]), or
+/// open mode with a warning that cannot be missed.
+fn token_source(settings: &Settings, read: Option<TokenSource>) -> TokenSource {
+    match (&settings.auth_file, read) {
+        (Some(path), Some(source)) => {
             let tokens = source.current().len();
             tracing::info!(file = %path.display(), tokens, "authentication on");
             if tokens == 0 {
@@ -73,35 +72,51 @@ fn token_source(settings: &Settings) -> Result<TokenSource, TokenFileError> {
                      tenant_secrets."
                 );
             }
-            Ok(source)
+            source
         }
-        None => {
+        _ => {
             tracing::warn!(
                 "AUTHENTICATION IS OFF: no --auth-file, so every caller may do everything \
                  for any tenant (x-intray-tenant). Development only; never expose this port."
             );
-            Ok(TokenSource::open())
+            TokenSource::open()
         }
     }
 }
 
-/// Reads what the settings name besides the database (the token file, the
-/// TLS files) and checks the allowed hosts, keeping nothing: `intray serve`
-/// runs it before migrating, so that a bad file or flag stops the server
-/// before it touches the database. [`run_with`] reads them again for use.
-pub fn preflight(settings: &Settings) -> Result<(), ServerError> {
-    if let Some(path) = &settings.auth_file {
-        TokenSource::from_file(path)?;
-    }
-    crate::http::AllowedHosts::new(
+/// What the settings name besides the database, read and checked.
+struct Files {
+    /// The token file's tokens; none in open mode.
+    tokens: Option<TokenSource>,
+    hosts: crate::http::AllowedHosts,
+    tls: Option<TlsState>,
+}
+
+/// Reads the token file and the TLS files, and checks the allowed hosts.
+fn read_files(settings: &Settings) -> Result<Files, ServerError> {
+    let tokens = settings
+        .auth_file
+        .as_ref()
+        .map(TokenSource::from_file)
+        .transpose()?;
+    let hosts = crate::http::AllowedHosts::new(
         settings.http_allowed_hosts.as_deref(),
         settings.auth_file.is_none(),
     )
     .map_err(ServerError::Settings)?;
-    if let Some(files) = &settings.tls {
-        TlsState::load(files.clone())?;
-    }
-    Ok(())
+    let tls = settings
+        .tls
+        .as_ref()
+        .map(|files| TlsState::load(files.clone()))
+        .transpose()?;
+    Ok(Files { tokens, hosts, tls })
+}
+
+/// [`read_files`], keeping nothing: `intray serve` runs it before
+/// migrating, so that a bad file or flag stops the server before it touches
+/// the database. [`run_with`] reads them again for use.
+pub fn preflight(settings: &Settings) -> Result<(), ServerError> {
+    read_files(settings).map(drop)
 }
 
 /// Serves the gRPC API on `listener` until `shutdown` completes, without
@@ -126,16 +141,10 @@ pub async fn run_with(
 ) -> Result<(), ServerError> {
     // Files first: a bad token file or certificate fails before the store
     // opens (`intray serve` has checked them before migrating: `preflight`).
-    let tokens = Arc::new(token_source(&settings)?);
-    let hosts = crate::http::AllowedHosts::new(
-        settings.http_allowed_hosts.as_deref(),
-        settings.auth_file.is_none(),
-    )
-    .map_err(ServerError::Settings)?;
-    let tls = match &settings.tls {
-        Some(files) => Some(Arc::new(TlsState::load(files.clone())?)),
-        None => None,
-    };
+    let files = read_files(&settings)?;
+    let tokens = Arc::new(token_source(&settings, files.tokens));
+    let hosts = files.hosts;
+    let tls = files.tls.map(Arc::new);
     let notifier = Arc::new(Notifier::new());
     let store = store::open(&settings, Arc::clone(&notifier)).await?;
     let stop = CancellationToken::new();

@@ -5,8 +5,9 @@
 //! worker's reaches it when the worker dies: it would run on, holding its
 //! job's side effects, while the job's lease expires and the job runs again
 //! elsewhere. A guard process, started by the worker with a pipe as its
-//! stdin, is told each command's group as it starts (`+GROUP`) and as it is
-//! reaped (`-GROUP`). The pipe closes when the worker exits, however it
+//! stdin, is told each command's group as it starts (`+GROUP`) and once
+//! the group is killed, before the command is reaped (`-GROUP`). The pipe
+//! closes when the worker exits, however it
 //! exits; then the guard sends SIGTERM to every group still listed, and
 //! SIGKILL to those left after the worker's `--kill-after`. After a clean
 //! stop the list is empty and the guard just exits.

@@ -11,7 +11,7 @@ use clap::Args;
 
 use child::CommandSpec;
 use guard::Guard;
-pub use guard::GuardArgs;
+pub use guard::{GuardArgs, run as guard};
 
 use super::args::{ClientOpts, parse_duration};
 use super::error::ClientError;
@@ -126,11 +126,6 @@ pub async fn run(opts: &ClientOpts, args: WorkArgs) -> Result<(), ClientError> {
         guard.finish();
     }
     ran
-}
-
-/// Runs the hidden `intray work-guard` (see `guard`).
-pub fn guard(args: &GuardArgs) {
-    guard::run(args);
 }
 
 fn worker_error(error: WorkerError) -> ClientError {
