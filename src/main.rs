@@ -28,6 +28,16 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Started by `intray work` itself: stops its commands if it dies.
+    #[command(name = "work-guard", hide = true)]
+    WorkGuard(intray::client::GuardArgs),
+    #[command(flatten)]
+    OnRuntime(OnRuntime),
+}
+
+/// The commands that run inside a tokio runtime.
+#[derive(Subcommand)]
+enum OnRuntime {
     /// Run the server: gRPC API, reaper, migrations on start.
     // Boxed: the serve flags are many times larger than any other command's.
     Serve(Box<ServeArgs>),
@@ -51,12 +61,22 @@ const BLOCKING_THREADS: usize = 1000 + 512;
 
 fn main() -> ExitCode {
     reset_sigchld();
+    let cli = Cli::parse();
+    // The guard only reads a pipe and sends signals: no runtime, and no
+    // threads of one, in a process that may outlive its worker for long.
+    let command = match cli.command {
+        Command::WorkGuard(args) => {
+            intray::client::work_guard(&args);
+            return ExitCode::SUCCESS;
+        }
+        Command::OnRuntime(command) => command,
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .max_blocking_threads(BLOCKING_THREADS)
         .build();
     match runtime {
-        Ok(runtime) => runtime.block_on(run()),
+        Ok(runtime) => runtime.block_on(run(cli.client, command)),
         Err(err) => {
             eprintln!("error: cannot start the runtime: {err}");
             ExitCode::FAILURE
@@ -80,11 +100,10 @@ fn reset_sigchld() {
     }
 }
 
-async fn run() -> ExitCode {
-    let cli = Cli::parse();
-    match cli.command {
-        Command::Serve(args) => serve(*args).await,
-        Command::Migrate(db) => {
+async fn run(client: ClientOpts, command: OnRuntime) -> ExitCode {
+    match command {
+        OnRuntime::Serve(args) => serve(*args).await,
+        OnRuntime::Migrate(db) => {
             intray::telemetry::init_logging();
             let url = db.url();
             match intray::store::migrate(&url, true).await {
@@ -98,14 +117,14 @@ async fn run() -> ExitCode {
                 }
             }
         }
-        Command::Bench(args) => match intray::bench::run(cli.client, *args).await {
+        OnRuntime::Bench(args) => match intray::bench::run(client, *args).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(err) => {
                 eprintln!("error: {err}");
                 ExitCode::from(err.exit_code())
             }
         },
-        Command::Client(cmd) => match intray::client::run(cli.client, cmd).await {
+        OnRuntime::Client(cmd) => match intray::client::run(client, cmd).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(err) => {
                 eprintln!("error: {err}");

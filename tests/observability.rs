@@ -36,6 +36,7 @@ use tonic::{Request, Response, Status};
 backend_tests!(
     a_failed_then_successful_job_is_one_trace,
     an_http_submit_is_traced_like_a_grpc_one,
+    http_actions_name_their_span_and_health_checks_have_none,
     an_attempt_the_reaper_ends_has_its_span,
     metrics_show_the_jobs_made,
     an_attempt_whose_complete_caller_left_is_still_reported,
@@ -260,9 +261,20 @@ async fn http_submit(
     traceparent: &str,
     body: &serde_json::Value,
 ) -> (String, serde_json::Value) {
+    http_post(addr, "/api/v1/jobs", traceparent, body).await
+}
+
+/// `POST path` with `body` for tenant `acme`, carrying the caller's
+/// `traceparent`: the status line and the JSON body of the answer.
+async fn http_post(
+    addr: SocketAddr,
+    path: &str,
+    traceparent: &str,
+    body: &serde_json::Value,
+) -> (String, serde_json::Value) {
     let body = body.to_string();
     let request = format!(
-        "POST /api/v1/jobs HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\
+        "POST {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\
          Content-Type: application/json\r\nx-intray-tenant: acme\r\n\
          traceparent: {traceparent}\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
@@ -344,6 +356,73 @@ async fn an_http_submit_is_traced_like_a_grpc_one(backend: Backend) {
         trace_id,
         "the worker got the caller's trace"
     );
+    server.stop().await;
+}
+
+/// A custom method's span is named with its action (a cancel and a pause
+/// would otherwise share `POST /api/v1/...{id}` with every other `POST`
+/// there), and a gRPC health check, which a kubelet sends every few
+/// seconds, makes no span, even when it carries a `traceparent`.
+async fn http_actions_name_their_span_and_health_checks_have_none(backend: Backend) {
+    let mut collector = Collector::start().await;
+    let tracing = collector.pipeline();
+    let server = TestServer::start_with(backend, |s| s.tracing = tracing.clone()).await;
+    let (caller, header) = caller_context();
+
+    let mut health = tonic_health::pb::health_client::HealthClient::new(server.channel());
+    health
+        .check(traced(
+            &header,
+            tonic_health::pb::HealthCheckRequest {
+                service: String::new(),
+            },
+        ))
+        .await
+        .expect("health check");
+    let (status, job) = http_submit(
+        server.http_addr,
+        &header,
+        &json!({"queue": "obs-action", "kind": "embed", "payload": {}}),
+    )
+    .await;
+    assert!(status.contains(" 202 "), "{status}: {job}");
+    let id = job["id"].as_str().expect("the job's id");
+    let (status, cancelled) = http_post(
+        server.http_addr,
+        &format!("/api/v1/jobs/{id}:cancel"),
+        &header,
+        &json!({"reason": "test"}),
+    )
+    .await;
+    assert!(status.contains(" 200 "), "{status}: {cancelled}");
+
+    let trace_id = caller.trace_id.to_vec();
+    let route = "/api/v1/jobs/{id}:cancel";
+    let name = format!("POST {route}");
+    collector
+        .until(&tracing, "the cancel's span", |spans| {
+            spans.iter().any(|s| s.name == name)
+        })
+        .await;
+    let spans = &collector.spans;
+    let cancel = spans
+        .iter()
+        .find(|s| s.name == name)
+        .expect("the cancel's span");
+    assert_eq!(cancel.trace_id, trace_id, "in the caller's trace");
+    assert_eq!(attr(cancel, "http.route").as_deref(), Some(route));
+    assert_eq!(
+        attr(cancel, "url.path").as_deref(),
+        Some(format!("/api/v1/jobs/{id}:cancel").as_str())
+    );
+    // The health check ended before the cancel began, so a span of it
+    // would have been exported by the same flush or an earlier one.
+    let health_spans: Vec<_> = spans
+        .iter()
+        .filter(|s| s.name.starts_with("grpc.health.v1.Health"))
+        .map(|s| &s.name)
+        .collect();
+    assert!(health_spans.is_empty(), "{health_spans:?}");
     server.stop().await;
 }
 

@@ -166,9 +166,6 @@ pub enum ClientCommand {
         after_help = "Example:\n  intray work --queue default --kind resize --concurrency 4 -- ./resize.sh"
     )]
     Work(super::work::WorkArgs),
-    /// Started by `intray work` itself: stops its commands if it dies.
-    #[command(name = "work-guard", hide = true)]
-    WorkGuard(super::work::GuardArgs),
 }
 
 /// Arguments of `intray submit`.

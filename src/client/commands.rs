@@ -57,10 +57,6 @@ async fn execute(opts: ClientOpts, cmd: ClientCommand) -> Result<(), ClientError
     let json = opts.json;
     match cmd {
         ClientCommand::Work(args) => super::work::run(&opts, args).await,
-        ClientCommand::WorkGuard(args) => {
-            super::work::guard(&args);
-            Ok(())
-        }
         ClientCommand::Submit(args) => submit(&opts, tenant, json, *args).await,
         ClientCommand::Get(GetArgs { id, events }) => {
             let mut session = Session::connect(&opts, tenant).await?;

@@ -63,4 +63,4 @@ pub use commands::{TENANT_METADATA, run};
 // The connection of `intray bench`: the same address, TLS, tenant and token handling.
 pub(crate) use commands::{authorization, endpoint, tenant_metadata};
 pub use error::ClientError;
-pub use work::WorkArgs;
+pub use work::{GuardArgs, WorkArgs, guard as work_guard};

@@ -68,15 +68,16 @@ where
         let cx = server_span(&self.tracing, req.headers(), || {
             let method = req.method().as_str();
             let path = req.uri().path();
-            let route = req
+            let matched = req
                 .extensions()
                 .get::<MatchedPath>()
                 .map_or(path, MatchedPath::as_str);
+            let route = with_action(matched, path);
             (
                 format!("{method} {route}"),
                 vec![
                     KeyValue::new("http.request.method", method.to_owned()),
-                    KeyValue::new("http.route", route.to_owned()),
+                    KeyValue::new("http.route", route.clone()),
                     KeyValue::new("url.path", path.to_owned()),
                 ],
             )
@@ -110,5 +111,62 @@ where
             span.end();
             answer
         })
+    }
+}
+
+/// The custom methods on a resource (`POST /api/v1/jobs/{id}:cancel`),
+/// which axum matches as the whole last segment.
+const ACTIONS: [&str; 3] = ["cancel", "pause", "resume"];
+
+/// `route` with the action `path` names, so that a cancel and a pause do
+/// not share a span name with every other `POST` to their resource. Only
+/// the known actions are added: a name may hold `:` itself (queue
+/// `tenant:a`), and what follows it must not make the set of span names
+/// unbounded.
+fn with_action(route: &str, path: &str) -> String {
+    let action = route
+        .ends_with('}')
+        .then(|| path.rsplit('/').next())
+        .flatten()
+        .and_then(|segment| segment.rsplit_once(':'))
+        .map(|(_, action)| action)
+        .filter(|action| ACTIONS.contains(action));
+    match action {
+        Some(action) => format!("{route}:{action}"),
+        None => route.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn actions_are_part_of_the_route() {
+        let job = "/api/v1/jobs/{id}";
+        let queue = "/api/v1/queues/{queue}";
+        assert_eq!(
+            with_action(job, "/api/v1/jobs/0190c3c6:cancel"),
+            "/api/v1/jobs/{id}:cancel"
+        );
+        assert_eq!(
+            with_action(queue, "/api/v1/queues/tenant:a:pause"),
+            "/api/v1/queues/{queue}:pause"
+        );
+        assert_eq!(
+            with_action(queue, "/api/v1/queues/q:resume"),
+            "/api/v1/queues/{queue}:resume"
+        );
+        assert_eq!(with_action(job, "/api/v1/jobs/0190c3c6"), job);
+        assert_eq!(
+            with_action(queue, "/api/v1/queues/a:b"),
+            queue,
+            "not an action"
+        );
+        assert_eq!(
+            with_action("/api/v1/jobs:retry", "/api/v1/jobs:retry"),
+            "/api/v1/jobs:retry",
+            "a route that names its action already"
+        );
     }
 }

@@ -150,7 +150,8 @@ pub struct TraceSettings {
 /// in: another protocol asked for gets a warning and gRPC, since such a
 /// setting is often made for a whole cluster while intray's endpoint is a
 /// gRPC one, and refusing to start over it would make a tracing setting an
-/// outage.
+/// outage. For the same reason a sampler the SDK cannot build is warned
+/// about, not refused.
 pub fn settings_from(env: impl Fn(&str) -> Option<String>) -> TraceSettings {
     let set = |name: &str| {
         env(name)
@@ -188,8 +189,44 @@ pub fn settings_from(env: impl Fn(&str) -> Option<String>) -> TraceSettings {
                  {endpoint} (an HTTP endpoint, port 4318, gets no spans)"
             ));
         }
+        settings.warnings.extend(sampler_warning(&env));
     }
     settings
+}
+
+/// Samplers the SDK builds from `OTEL_TRACES_SAMPLER`, and whether each
+/// reads `OTEL_TRACES_SAMPLER_ARG`.
+const SAMPLERS: [(&str, bool); 6] = [
+    ("always_on", false),
+    ("always_off", false),
+    ("traceidratio", true),
+    ("parentbased_always_on", false),
+    ("parentbased_always_off", false),
+    ("parentbased_traceidratio", true),
+];
+
+/// What the SDK does without a word (its own warnings go to an internal
+/// log intray does not show): an unknown sampler, or a ratio it cannot
+/// read, samples every trace. It reads both variables as they are, without
+/// trimming, and so does this.
+fn sampler_warning(env: impl Fn(&str) -> Option<String>) -> Option<String> {
+    let sampler = env("OTEL_TRACES_SAMPLER")?;
+    let Some(&(_, ratio)) = SAMPLERS.iter().find(|(name, _)| *name == sampler) else {
+        return Some(format!(
+            "OTEL_TRACES_SAMPLER={sampler} is not a sampler this build knows (always_on, \
+             always_off, traceidratio, parentbased_always_on, parentbased_always_off, \
+             parentbased_traceidratio); sampling every trace (parentbased_always_on)"
+        ));
+    };
+    let arg = env("OTEL_TRACES_SAMPLER_ARG");
+    let readable = arg.as_deref().is_some_and(|a| a.parse::<f64>().is_ok());
+    (ratio && !readable).then(|| {
+        format!(
+            "OTEL_TRACES_SAMPLER={sampler} with OTEL_TRACES_SAMPLER_ARG={}: the ratio must be a \
+             number from 0 to 1; sampling every trace",
+            arg.as_deref().unwrap_or("(unset)")
+        )
+    })
 }
 
 /// The environment's resource (`detected`), named `intray` unless it
@@ -358,6 +395,46 @@ mod tests {
         let settings = settings(vars);
         assert!(settings.warnings.is_empty(), "{:?}", settings.warnings);
         settings.endpoint
+    }
+
+    #[test]
+    fn a_sampler_the_sdk_would_replace_is_warned_about() {
+        let at = ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317");
+        let sampler = |vars: &[(&str, &str)]| {
+            let mut all = vec![at];
+            all.extend_from_slice(vars);
+            settings(&all).warnings
+        };
+        assert!(sampler(&[("OTEL_TRACES_SAMPLER", "parentbased_always_off")]).is_empty());
+        assert!(
+            sampler(&[
+                ("OTEL_TRACES_SAMPLER", "traceidratio"),
+                ("OTEL_TRACES_SAMPLER_ARG", "0.25"),
+            ])
+            .is_empty()
+        );
+        let unknown = sampler(&[("OTEL_TRACES_SAMPLER", "ratio")]);
+        assert!(
+            unknown.len() == 1 && unknown[0].contains("OTEL_TRACES_SAMPLER=ratio"),
+            "{unknown:?}"
+        );
+        // The SDK compares as written: a stray space is an unknown sampler.
+        assert_eq!(sampler(&[("OTEL_TRACES_SAMPLER", "always_on ")]).len(), 1);
+        for arg in [None, Some("half"), Some("")] {
+            let mut vars = vec![("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")];
+            vars.extend(arg.map(|a| ("OTEL_TRACES_SAMPLER_ARG", a)));
+            let warned = sampler(&vars);
+            assert!(
+                warned.len() == 1 && warned[0].contains("sampling every trace"),
+                "{arg:?}: {warned:?}"
+            );
+        }
+        // Without a collector nothing is sampled, so nothing is said.
+        assert!(
+            settings(&[("OTEL_TRACES_SAMPLER", "ratio")])
+                .warnings
+                .is_empty()
+        );
     }
 
     #[test]

@@ -203,7 +203,15 @@ where
     fn call(&mut self, mut req: Request<ReqBody>) -> Self::Future {
         let started = Instant::now();
         let path = method_label(req.uri().path()).to_owned();
-        let cx = server_span(&self.tracing, req.headers(), || {
+        // A probe every few seconds from each kubelet and load balancer
+        // would be most of the traces; health checks are counted only.
+        let untraced = Tracing::off();
+        let tracing = if path.starts_with(HEALTH_PREFIX) {
+            &untraced
+        } else {
+            &self.tracing
+        };
+        let cx = server_span(tracing, req.headers(), || {
             let (service, method) = path
                 .trim_start_matches('/')
                 .split_once('/')
@@ -259,6 +267,9 @@ where
         })
     }
 }
+
+/// The gRPC health service's methods, which get no span.
+const HEALTH_PREFIX: &str = "/grpc.health.v1.Health/";
 
 /// Counts a call and ends its span, once: when it answers, or when it is
 /// dropped unanswered (tonic drops the call when the client's deadline

@@ -123,7 +123,12 @@ pub async fn run(opts: &ClientOpts, args: WorkArgs) -> Result<(), ClientError> {
     let (first, second) = stop_signals();
     let ran = worker.run_until(first, second).await.map_err(worker_error);
     if let Some(guard) = guard {
-        guard.finish();
+        // The guard exits at once with nothing listed, but its wait is a
+        // blocking one and must not hold a runtime thread.
+        let finished = tokio::task::spawn_blocking(move || guard.finish()).await;
+        if let Err(err) = finished {
+            tracing::warn!(error = %err, "cannot wait for the work guard");
+        }
     }
     ran
 }
