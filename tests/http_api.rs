@@ -30,6 +30,7 @@ backend_tests!(
     authentication_and_roles,
     rate_limit_and_queue_bound_are_429_with_retry_after,
     submit_batch_answers_each_item,
+    null_fields_are_fields_left_out,
     openapi_lists_every_route_the_router_serves,
     dashboard_and_metrics_are_served,
     unknown_host_names_are_refused_in_open_mode,
@@ -307,6 +308,85 @@ async fn submit_batch_answers_each_item(backend: Backend) {
     assert_eq!(
         listed["jobs"].as_array().map(Vec::len),
         Some(1),
+        "nothing more was stored"
+    );
+    server.stop().await;
+}
+
+/// A client that writes every field, unset ones as `null` (as proto3 JSON
+/// allows), is answered as if it had left them out; a payload keeps its
+/// nulls, and a field named twice or unknown is still refused.
+async fn null_fields_are_fields_left_out(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let http = Http::new(&server);
+    let unset = json!({
+        "priority": null, "idempotencyKey": null, "runAt": null, "deadline": null,
+        "maxAttempts": null, "backoff": {"initial": null, "max": "60s"}, "labels": null,
+        "callbackUrl": null, "maxCostCents": null,
+    });
+    let mut body = unset.clone();
+    body["queue"] = json!("nulls");
+    body["kind"] = json!("k");
+    body["payload"] = json!({"a": null, "b": [null]});
+    let reply = http.post("/api/v1/jobs", body).await;
+    assert_eq!(
+        reply.status,
+        202,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    let job = reply.json();
+    assert_eq!(job["payload"], json!({"a": null, "b": [null]}));
+    assert_eq!(job["maxAttempts"], 3, "the default: {job}");
+    assert_eq!(job["backoff"]["max"], "60s", "{job}");
+
+    let mut item = unset;
+    item["queue"] = json!("nulls");
+    item["kind"] = json!("k");
+    let batch = http
+        .post("/api/v1/jobs:batch", json!({"jobs": [item]}))
+        .await;
+    assert_eq!(
+        batch.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&batch.body)
+    );
+    assert_eq!(
+        batch.json()["results"][0]["ok"]["job"]["state"],
+        "JOB_STATE_QUEUED"
+    );
+    let listed = http
+        .get("/api/v1/jobs?queue=nulls&page_size=10")
+        .await
+        .json();
+    assert_eq!(listed["jobs"].as_array().map(Vec::len), Some(2), "{listed}");
+
+    for (refused, reason) in [
+        (
+            r#"{"queue": "nulls", "kind": "k", "queue": null}"#,
+            "duplicate field `queue`",
+        ),
+        (
+            r#"{"queue": "nulls", "kind": "k", "colour": null}"#,
+            "unknown field `colour`",
+        ),
+        (
+            r#"{"queue": "nulls", "kind": "k", "priority": null, "maxAttempts": "many"}"#,
+            "maxAttempts: ",
+        ),
+    ] {
+        let body = http
+            .send("POST", "/api/v1/jobs", Some(refused.into()))
+            .await
+            .expect_error(400, "INVALID_ARGUMENT");
+        let message = body["message"].as_str().unwrap_or_default();
+        assert!(message.contains(reason), "{refused}: {body}");
+    }
+    let listed = http.get("/api/v1/jobs?queue=nulls").await.json();
+    assert_eq!(
+        listed["jobs"].as_array().map(Vec::len),
+        Some(2),
         "nothing more was stored"
     );
     server.stop().await;

@@ -31,14 +31,21 @@ pub fn bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, HttpError> {
 }
 
 /// Reads a message from its JSON; an empty body is the message with every
-/// field unset, as an empty protobuf message is.
+/// field unset, as an empty protobuf message is, and a message field that
+/// is `null` is one left out, as proto3 JSON reads it (see
+/// [`super::nulls`], tried only for a body the plain decoder refuses, so
+/// that a body without nulls is read once). A body refused both ways is
+/// answered with the lenient reading's reason: the plain one may be a
+/// `null` that is allowed.
 pub fn parse<T: DeserializeOwned + Default>(body: &[u8]) -> Result<T, HttpError> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok(T::default());
     }
-    serde_json::from_slice(body).map_err(|e| {
-        ValidationError::new("body", format!("not valid proto3 JSON for this call: {e}")).into()
-    })
+    serde_json::from_slice(body)
+        .or_else(|_| super::nulls::from_slice(body))
+        .map_err(|e| {
+            ValidationError::new("body", format!("not valid proto3 JSON for this call: {e}")).into()
+        })
 }
 
 /// Refuses a body whose top-level array `field` holds more than `max`

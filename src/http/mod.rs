@@ -26,6 +26,7 @@ mod hooks;
 mod host;
 mod jobs;
 mod listener;
+mod nulls;
 mod openapi;
 mod query;
 mod sse;
