@@ -18,6 +18,7 @@ use tonic::Code;
 
 common::backend_tests!(
     lifecycle,
+    a_watch_resumed_past_the_last_event_ends_with_the_job,
     retry_after_backoff,
     a_retry_answers_the_run_at_it_stored,
     backoff_full_jitter,
@@ -1247,6 +1248,33 @@ async fn watch_resume_from_sequence(backend: Backend) {
         none.is_empty(),
         "nothing after the terminal event; stream ends: {none:?}"
     );
+    server.stop().await;
+}
+
+/// A client may resume from a sequence the job has not reached, up to the
+/// largest `u64`: the stream sends nothing at or below it, and ends as
+/// soon as the job does, not at the next fallback read (30 s here), though
+/// the job's own events wake it from memory without being sent.
+async fn a_watch_resumed_past_the_last_event_ends_with_the_job(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client("t");
+    let job = submit(&mut jobs, "ahead", "k", json!({})).await;
+    let mut streams = Vec::new();
+    for after in [50, u64::from(u32::MAX), i64::MAX as u64, u64::MAX] {
+        streams.push((after, open_watch(&mut jobs, &job.id, after).await));
+    }
+    // Each stream has read the job and found it behind before the cancel.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    jobs.cancel(pb::CancelJobRequest {
+        id: job.id.clone(),
+        reason: "test".into(),
+    })
+    .await
+    .expect("Cancel");
+    for (after, mut stream) in streams {
+        let end = within(Duration::from_secs(10), "the stream's end", stream.next()).await;
+        assert!(end.is_none(), "after {after}: {end:?}");
+    }
     server.stop().await;
 }
 

@@ -649,11 +649,17 @@ impl Watching {
                     self.ready.extend(events);
                     return Ok(());
                 }
-                if finished_before(&*self.ctx.store, &self.tenant, self.id, self.after).await? {
-                    self.done = true;
-                    return Ok(());
+                match position(&*self.ctx.store, &self.tenant, self.id, self.after).await? {
+                    Position::Finished => {
+                        self.done = true;
+                        return Ok(());
+                    }
+                    // The job's next events are at or below `after`: they
+                    // wake this stream from memory without being sent, so
+                    // only a read can tell that the job has ended.
+                    Position::Behind => self.read_at = None,
+                    Position::Caught => self.read_at = Some(unkept),
                 }
-                self.read_at = Some(unkept);
             }
             tokio::select! {
                 () = &mut woken => {}
@@ -667,17 +673,30 @@ impl Watching {
     }
 }
 
-/// A watcher that resumed after the terminal event has nothing left to wait for.
-async fn finished_before(
+/// Where a watcher that found nothing after `after` stands.
+enum Position {
+    /// The job has ended with no event after `after`: nothing left to
+    /// wait for (a watcher that resumed after the terminal event).
+    Finished,
+    /// The job has not reached `after` (a client resumed past its last
+    /// event): its next events will not be sent.
+    Behind,
+    /// `after` is the job's last event.
+    Caught,
+}
+
+async fn position(
     store: &dyn Store,
     tenant: &str,
     id: Uuid,
     after: u64,
-) -> Result<bool, StoreError> {
+) -> Result<Position, StoreError> {
     match store.get(tenant, id).await {
-        Ok(job) => Ok(job.state.is_terminal() && job.event_seq <= after),
+        Ok(job) if job.state.is_terminal() && job.event_seq <= after => Ok(Position::Finished),
+        Ok(job) if job.event_seq < after => Ok(Position::Behind),
+        Ok(_) => Ok(Position::Caught),
         // Deleted by retention meanwhile: nothing more will come.
-        Err(StoreError::NotFound) => Ok(true),
+        Err(StoreError::NotFound) => Ok(Position::Finished),
         Err(err) => Err(err),
     }
 }

@@ -187,13 +187,14 @@ impl JobWatch {
     /// replica's commit) still lets the next kept one in behind it.
     pub fn events_after(&self, after: u64) -> Vec<JobEvent> {
         let recent = lock(&self.watched.recent);
-        let mut next = after + 1;
+        // Checked: `after` is the caller's, and may be any u64.
+        let mut next = after.checked_add(1);
         recent
             .iter()
             .skip_while(|e| e.sequence <= after)
             .take_while(|e| {
-                let follows = e.sequence == next;
-                next += 1;
+                let follows = Some(e.sequence) == next;
+                next = e.sequence.checked_add(1);
                 follows
             })
             .cloned()
