@@ -23,6 +23,10 @@ pub const TIMESTAMP_TOLERANCE_SECS: i64 = 5 * 60;
 
 type HmacSha256 = Hmac<Sha256>;
 
+/// Longest `webhook-id` taken. Standard Webhooks sets no bound; ids
+/// longer than an idempotency key allows are stored as their SHA-256.
+pub const MAX_ID_BYTES: usize = 4096;
+
 /// Most secrets one keyring may hold: enough for a rotation (the new one,
 /// the old one) with room to spare, few enough that every callback does
 /// not carry a pile of signatures.
@@ -120,7 +124,7 @@ impl Secret {
         body: &[u8],
         now: i64,
     ) -> Result<(), VerifyError> {
-        if id.is_empty() || id.len() > 256 {
+        if id.is_empty() || id.len() > MAX_ID_BYTES {
             return Err(VerifyError::Headers);
         }
         let timestamp: i64 = timestamp.trim().parse().map_err(|_| VerifyError::Headers)?;
@@ -269,10 +273,53 @@ impl Target {
         })
     }
 
-    /// The host as an IP address, when it is a literal one.
+    /// The host as an IP address, when it is a literal one, in any of the
+    /// forms the resolver reads as one (`2130706433` is `127.0.0.1`).
     pub fn literal_ip(&self) -> Option<IpAddr> {
-        self.host.parse().ok()
+        self.host
+            .parse()
+            .ok()
+            .or_else(|| numeric_ipv4(&self.host).map(IpAddr::V4))
     }
+}
+
+/// The IPv4 address a host made of numbers names, as `inet_aton` (and so
+/// the resolver) and URL parsers read it: one to four parts, each
+/// decimal, `0x` hex or `0`-led octal, the last filling the bytes left
+/// (`2130706433`, `0x7f000001`, `127.1`, `0177.0.0.1`). Without this such
+/// a host passed `Submit` as a name, to be refused only at delivery.
+fn numeric_ipv4(host: &str) -> Option<Ipv4Addr> {
+    let host = host.strip_suffix('.').unwrap_or(host);
+    let mut numbers = Vec::with_capacity(4);
+    for part in host.split('.') {
+        let (digits, radix) =
+            if let Some(hex) = part.strip_prefix("0x").or_else(|| part.strip_prefix("0X")) {
+                (hex, 16)
+            } else if part.len() > 1 && part.starts_with('0') {
+                (&part[1..], 8)
+            } else {
+                (part, 10)
+            };
+        let number = match digits {
+            "" if radix == 16 => 0,
+            "" => return None,
+            _ => u64::from_str_radix(digits, radix).ok()?,
+        };
+        numbers.push(number);
+    }
+    let (last, leading) = numbers.split_last()?;
+    if leading.len() > 3 || leading.iter().any(|n| *n > 255) {
+        return None;
+    }
+    let last_bytes = 4 - leading.len();
+    if *last >= 1u64 << (8 * last_bytes) {
+        return None;
+    }
+    let address = leading
+        .iter()
+        .zip([24, 16, 8])
+        .fold(*last, |acc, (n, shift)| acc | (n << shift));
+    u32::try_from(address).ok().map(Ipv4Addr::from)
 }
 
 /// Whether an address is on the public internet: not loopback, private,
@@ -457,6 +504,45 @@ pub fn callback_type(event_type: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hosts_made_of_numbers_are_addresses() {
+        let loopback = Some(IpAddr::from([127, 0, 0, 2]));
+        for url in [
+            "http://2130706434/",
+            "http://0x7f000002/",
+            "http://0X7F000002/",
+            "http://127.2/",
+            "http://127.0.2/",
+            "http://017700000002/",
+            "http://0177.0.0.2/",
+            "http://0x7f.0.0.0x2/",
+            "http://127.0.0.2./",
+        ] {
+            let target = Target::parse(url).expect("url");
+            assert_eq!(target.literal_ip(), loopback, "{url}");
+            assert!(!AddressPolicy::default().allows_target(&target), "{url}");
+        }
+        for name in [
+            "http://example.com/",
+            "http://1.2.3.4.5/",
+            "http://256.1.1.1/",
+            "http://1.2.3.256/",
+            "http://1.2.65536/",
+            "http://4294967296/",
+            "http://1..2/",
+            "http://09/",
+            "http://1e5/",
+            "http://0x1g/",
+        ] {
+            let target = Target::parse(name).expect("url");
+            assert_eq!(target.literal_ip(), None, "{name}");
+        }
+        assert_eq!(
+            Target::parse("http://4294967295/").and_then(|t| t.literal_ip()),
+            Some(IpAddr::from([255, 255, 255, 255]))
+        );
+    }
 
     // The published example of the Standard Webhooks specification and of
     // its reference libraries' tests.

@@ -422,13 +422,16 @@ impl Dispatcher {
 
     /// The address to connect to, checked against the SSRF policy after
     /// resolution (so a name that starts resolving to a private address,
-    /// DNS rebinding, is refused at the next attempt).
+    /// DNS rebinding, is refused at the next attempt). A refusal is
+    /// retried like a refused connection: an allow-list edited by mistake,
+    /// or a name that points elsewhere for a while, must not fail every
+    /// callback due meanwhile for good; none is sent while it lasts.
     async fn resolve(target: &Target, allow: &AddressPolicy) -> Result<SocketAddr, SendError> {
         if let Some(ip) = target.literal_ip() {
             return if allow.allows_ip(ip) {
                 Ok(SocketAddr::new(ip, target.port))
             } else {
-                Err(SendError::Permanent(format!("address {ip} is not allowed")))
+                Err(SendError::Transient(format!("address {ip} is not allowed")))
             };
         }
         let addrs: Vec<SocketAddr> = tokio::net::lookup_host((target.host.as_str(), target.port))
@@ -441,7 +444,7 @@ impl Dispatcher {
             .copied()
             .find(|a| named || allow.allows_ip(a.ip()))
             .ok_or_else(|| {
-                SendError::Permanent(format!("{} resolves to no allowed address", target.host))
+                SendError::Transient(format!("{} resolves to no allowed address", target.host))
             })
     }
 }

@@ -194,19 +194,24 @@ async fn handle(
     }
 }
 
+/// What starts the key of a message whose id is stored as its hash.
+const HASHED: &str = "sha256:";
+
 /// The idempotency key of a message: its `webhook-id` within its source.
 /// A provider sends one message to each endpoint under one id, so two
 /// sources of a tenant each make their job, a repeat to either is a repeat,
 /// and the ids do not meet the tenant's own keys. `/` cannot occur in a
 /// source's name, so the key names one source and one id. An id too long
-/// for the key's 256 characters goes in as its SHA-256.
+/// for the key's 256 characters goes in as its SHA-256, as
+/// `sha256:{hex}`; so does an id that starts with `sha256:` itself, which
+/// would otherwise meet the hashed form of another, longer id.
 fn idempotency_key(source: &str, id: &str) -> String {
     let key = format!("{INGRESS_KEY_PREFIX}{source}/{id}");
-    if key.chars().count() <= 256 {
+    if key.chars().count() <= 256 && !id.starts_with(HASHED) {
         key
     } else {
         format!(
-            "{INGRESS_KEY_PREFIX}{source}/sha256:{}",
+            "{INGRESS_KEY_PREFIX}{source}/{HASHED}{}",
             hex::encode(Sha256::digest(id.as_bytes()))
         )
     }
@@ -228,5 +233,14 @@ mod tests {
         let key = idempotency_key(&"s".repeat(128), &long);
         assert!(key.chars().count() <= 256, "{key}");
         assert_ne!(key, idempotency_key(&"s".repeat(128), &"y".repeat(300)));
+        let long = "i".repeat(300);
+        let hashed = idempotency_key("s", &long);
+        let literal = hashed.trim_start_matches("hook/s/");
+        assert!(literal.starts_with(HASHED), "{hashed}");
+        assert_ne!(
+            idempotency_key("s", literal),
+            hashed,
+            "an id that spells another's hash is not that id"
+        );
     }
 }
