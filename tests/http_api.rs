@@ -31,6 +31,7 @@ backend_tests!(
     rate_limit_and_queue_bound_are_429_with_retry_after,
     submit_batch_answers_each_item,
     null_fields_are_fields_left_out,
+    routes_refuse_what_they_do_not_take,
     openapi_lists_every_route_the_router_serves,
     dashboard_and_metrics_are_served,
     unknown_host_names_are_refused_in_open_mode,
@@ -389,6 +390,72 @@ async fn null_fields_are_fields_left_out(backend: Backend) {
         Some(2),
         "nothing more was stored"
     );
+    server.stop().await;
+}
+
+/// A query parameter, a body or a method a route does not take is
+/// refused, not ignored, and an unknown path under `/api` answers JSON.
+async fn routes_refuse_what_they_do_not_take(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let http = Http::new(&server);
+    let job = submit_http(&http, "strict", "k").await;
+    let id = id_of(&job);
+    for (method, path) in [
+        ("POST", "/api/v1/jobs?queue=strict".to_owned()),
+        ("POST", "/api/v1/jobs:batch?x=1".to_owned()),
+        ("GET", format!("/api/v1/jobs/{id}?x=1")),
+        ("GET", format!("/api/v1/jobs/{id}/deliveries?x=1")),
+        ("POST", format!("/api/v1/jobs/{id}:cancel?now=1")),
+        ("POST", "/api/v1/jobs:retry?x=1".to_owned()),
+        ("POST", "/api/v1/queues/strict:pause?x=1".to_owned()),
+    ] {
+        let body = (method == "POST").then(|| job_body("strict", "k", json!({})).to_string());
+        let refused = http.send(method, &path, body).await;
+        let error = refused.expect_error(400, "INVALID_ARGUMENT");
+        assert_eq!(
+            error["details"][0]["fieldViolations"][0]["description"], "unknown query parameter",
+            "{method} {path}: {error}"
+        );
+    }
+    http.send("POST", &format!("/api/v1/jobs/{id}"), None)
+        .await
+        .expect_error(405, "UNIMPLEMENTED");
+    http.get(&format!("/api/v1/jobs/{id}:cancel"))
+        .await
+        .expect_error(405, "UNIMPLEMENTED");
+    http.send("POST", &format!("/api/v1/jobs/{id}:frobnicate"), None)
+        .await
+        .expect_error(404, "NOT_FOUND");
+    for path in ["/api", "/api/", "/api/v1", "/api/v1/", "/api/v2/jobs"] {
+        http.get(path).await.expect_error(404, "NOT_FOUND");
+    }
+    for body in ["not json", r#"{"queue": "other"}"#, r#"{"colour": 1}"#] {
+        http.send("POST", "/api/v1/queues/strict:pause", Some(body.into()))
+            .await
+            .expect_error(400, "INVALID_ARGUMENT");
+    }
+    let unnamed = http
+        .clone()
+        .with("idempotency-key", "")
+        .post("/api/v1/jobs", job_body("strict", "k", json!({})))
+        .await
+        .expect_error(400, "INVALID_ARGUMENT");
+    assert_eq!(
+        unnamed["details"][0]["fieldViolations"][0]["field"], "Idempotency-Key",
+        "{unnamed}"
+    );
+    // Nothing of the refused calls took effect.
+    let stats = http.get("/api/v1/stats?queue=strict").await.json();
+    assert!(queue_stats(&stats, "strict")["paused"].is_null(), "{stats}");
+    let listed = http.get("/api/v1/jobs?queue=strict").await.json();
+    assert_eq!(listed["jobs"].as_array().map(Vec::len), Some(1), "{listed}");
+    assert_eq!(listed["jobs"][0]["state"], "JOB_STATE_QUEUED");
+    // The body, when it names the queue, names the path's.
+    let paused = http
+        .post("/api/v1/queues/strict:pause", json!({"queue": "strict"}))
+        .await;
+    assert_eq!(paused.status, 200);
+    assert_eq!(paused.json()["paused"], true);
     server.stop().await;
 }
 
@@ -979,6 +1046,22 @@ async fn authentication_and_roles(backend: Backend) {
     Http::new(&server)
         .token(WORKER)
         .post("/api/v1/jobs", job_body("q", "k", json!({})))
+        .await
+        .expect_error(403, "PERMISSION_DENIED");
+    // The role is checked before the input is read, as on gRPC: a caller
+    // without it is not told what is wrong with what it sent.
+    let worker = Http::new(&server).token(WORKER);
+    worker
+        .send("POST", "/api/v1/jobs", Some("not json".into()))
+        .await
+        .expect_error(403, "PERMISSION_DENIED");
+    let too_many = format!("{{\"jobs\": [{}{{}}]}}", "{},".repeat(1000));
+    worker
+        .send("POST", "/api/v1/jobs:batch", Some(too_many))
+        .await
+        .expect_error(403, "PERMISSION_DENIED");
+    worker
+        .send("POST", "/api/v1/queues/q:pause", Some("not json".into()))
         .await
         .expect_error(403, "PERMISSION_DENIED");
 

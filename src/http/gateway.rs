@@ -113,6 +113,27 @@ impl Gateway {
         Ok(())
     }
 
+    /// Whether the caller of `headers` may make `method` at all, asked
+    /// before its input is read, as the gRPC port asks before a message is
+    /// decoded: a caller without the role is told `PERMISSION_DENIED`
+    /// whatever it sent. A refusal is counted as the call; the call itself
+    /// authorizes again, since a reload may come in between.
+    pub fn permit(&self, method: Method, headers: &HeaderMap) -> Result<(), Status> {
+        authorize(&self.tokens, method.path(), headers)
+            .map(drop)
+            .map_err(|err| {
+                let status = Status::from(err);
+                CallRecord::start(
+                    Arc::clone(&self.metrics),
+                    method.path().to_owned(),
+                    None,
+                    None,
+                )
+                .finish(status.code());
+                status
+            })
+    }
+
     /// Whether `headers` carry a token that may scrape `GET /metrics` (the
     /// metrics or admin role; anyone in open mode).
     pub fn may_scrape(&self, headers: &HeaderMap) -> Result<(), Status> {

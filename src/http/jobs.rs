@@ -34,14 +34,22 @@ pub fn location(id: &str) -> String {
 /// when the idempotency key and input match an earlier submit.
 pub async fn submit(
     State(gateway): Shared,
+    RawQuery(query): RawQuery,
     headers: HeaderMap,
     raw: Body,
 ) -> Result<Response, HttpError> {
+    gateway.permit(Method::Submit, &headers)?;
+    query::none(query.as_deref())?;
     let mut request: pb::SubmitRequest = body::parse(&body::bytes(raw)?)?;
     if let Some(key) = headers.get(IDEMPOTENCY_KEY) {
         let key = key
             .to_str()
             .map_err(|_| ValidationError::new("Idempotency-Key", "must be ASCII"))?;
+        // Sent and empty is a mistake, not "no key": each retry would make
+        // a job.
+        if key.trim().is_empty() {
+            return Err(ValidationError::new("Idempotency-Key", "must not be empty").into());
+        }
         if !request.idempotency_key.is_empty() && request.idempotency_key != key {
             return Err(ValidationError::new(
                 "Idempotency-Key",
@@ -75,9 +83,12 @@ pub async fn submit(
 /// result per item, each accepted or refused on its own as by `Submit`.
 pub async fn submit_batch(
     State(gateway): Shared,
+    RawQuery(query): RawQuery,
     headers: HeaderMap,
     raw: Body,
 ) -> Result<Response, HttpError> {
+    gateway.permit(Method::SubmitBatch, &headers)?;
+    query::none(query.as_deref())?;
     let raw = body::bytes(raw)?;
     body::at_most(&raw, "jobs", MAX_BATCH)?;
     let request: pb::SubmitBatchRequest = body::parse(&raw)?;
@@ -96,8 +107,18 @@ pub async fn submit_batch(
 pub async fn get(
     State(gateway): Shared,
     Path(id): Path<String>,
+    RawQuery(query): RawQuery,
     headers: HeaderMap,
 ) -> Result<Response, HttpError> {
+    // The path of a custom method is served, with POST.
+    if id.ends_with(":cancel") {
+        return Err(HttpError::NoMethod {
+            method: "GET".into(),
+            path: location(&id),
+        });
+    }
+    gateway.permit(Method::Get, &headers)?;
+    query::none(query.as_deref())?;
     let job = gateway
         .call(
             Method::Get,
@@ -114,8 +135,11 @@ pub async fn get(
 pub async fn deliveries(
     State(gateway): Shared,
     Path(id): Path<String>,
+    RawQuery(query): RawQuery,
     headers: HeaderMap,
 ) -> Result<Response, HttpError> {
+    gateway.permit(Method::Get, &headers)?;
+    query::none(query.as_deref())?;
     let listing = gateway
         .call(
             Method::Get,
@@ -134,6 +158,7 @@ pub async fn dead_set(
     RawQuery(raw): RawQuery,
     headers: HeaderMap,
 ) -> Result<Response, HttpError> {
+    gateway.permit(Method::List, &headers)?;
     let request = query::dead_set(raw.as_deref())?;
     let grouped = gateway
         .call(Method::List, &headers, request, |jobs, r| async move {
@@ -149,6 +174,7 @@ pub async fn list(
     RawQuery(raw): RawQuery,
     headers: HeaderMap,
 ) -> Result<Response, HttpError> {
+    gateway.permit(Method::List, &headers)?;
     let request = query::list(raw.as_deref())?;
     let page = gateway
         .call(Method::List, &headers, request, |jobs, r| async move {
@@ -163,12 +189,23 @@ pub async fn list(
 pub async fn post_on_job(
     State(gateway): Shared,
     Path(segment): Path<String>,
+    RawQuery(query): RawQuery,
     headers: HeaderMap,
     raw: Body,
 ) -> Result<Response, HttpError> {
     let Some(id) = segment.strip_suffix(":cancel") else {
-        return Err(HttpError::NoRoute(format!("POST {}", location(&segment))));
+        // The job itself is served, with GET; another custom method is not.
+        return Err(if segment.contains(':') {
+            HttpError::NoRoute(format!("POST {}", location(&segment)))
+        } else {
+            HttpError::NoMethod {
+                method: "POST".into(),
+                path: location(&segment),
+            }
+        });
     };
+    gateway.permit(Method::Cancel, &headers)?;
+    query::none(query.as_deref())?;
     let mut request: pb::CancelJobRequest = body::parse(&body::bytes(raw)?)?;
     if !request.id.is_empty() && request.id != id {
         return Err(ValidationError::new("id", "differs from the id in the path").into());
@@ -186,9 +223,12 @@ pub async fn post_on_job(
 /// `{"filter": {...}, "dryRun": true, "limit": n}`).
 pub async fn retry(
     State(gateway): Shared,
+    RawQuery(query): RawQuery,
     headers: HeaderMap,
     raw: Body,
 ) -> Result<Response, HttpError> {
+    gateway.permit(Method::Retry, &headers)?;
+    query::none(query.as_deref())?;
     let request: pb::RetryJobRequest = body::parse(&body::bytes(raw)?)?;
     let answer = gateway
         .call(Method::Retry, &headers, request, |jobs, r| async move {
@@ -204,6 +244,7 @@ pub async fn stats(
     RawQuery(raw): RawQuery,
     headers: HeaderMap,
 ) -> Result<Response, HttpError> {
+    gateway.permit(Method::Stats, &headers)?;
     let request = query::stats(raw.as_deref())?;
     let stats = gateway
         .call(Method::Stats, &headers, request, |jobs, r| async move {
@@ -213,18 +254,33 @@ pub async fn stats(
     Ok(json(StatusCode::OK, &stats))
 }
 
-/// `POST /api/v1/queues/{queue}:pause` and `:resume`. Queue names may hold
+/// `POST /api/v1/queues/{queue}:pause` and `:resume`, with an optional
+/// body whose queue, if given, must be the path's. Queue names may hold
 /// `:` themselves, so the verb is what follows the last one.
 pub async fn post_on_queue(
     State(gateway): Shared,
     Path(segment): Path<String>,
+    RawQuery(query): RawQuery,
     headers: HeaderMap,
+    raw: Body,
 ) -> Result<Response, HttpError> {
     let no_route = || HttpError::NoRoute(format!("POST /api/v1/queues/{segment}"));
     let (queue, verb) = segment.rsplit_once(':').ok_or_else(no_route)?;
+    let method = match verb {
+        "pause" => Method::PauseQueue,
+        "resume" => Method::ResumeQueue,
+        _ => return Err(no_route()),
+    };
+    gateway.permit(method, &headers)?;
+    query::none(query.as_deref())?;
+    // Pause and resume carry the same message.
+    let named: pb::PauseQueueRequest = body::parse(&body::bytes(raw)?)?;
+    if !named.queue.is_empty() && named.queue != queue {
+        return Err(ValidationError::new("queue", "differs from the queue in the path").into());
+    }
     let queue = queue.to_owned();
-    match verb {
-        "pause" => {
+    match method {
+        Method::PauseQueue => {
             let answer = gateway
                 .call(
                     Method::PauseQueue,
@@ -235,7 +291,7 @@ pub async fn post_on_queue(
                 .await?;
             Ok(json(StatusCode::OK, &answer))
         }
-        "resume" => {
+        _ => {
             let answer = gateway
                 .call(
                     Method::ResumeQueue,
@@ -246,7 +302,6 @@ pub async fn post_on_queue(
                 .await?;
             Ok(json(StatusCode::OK, &answer))
         }
-        _ => Err(no_route()),
     }
 }
 

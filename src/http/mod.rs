@@ -84,6 +84,11 @@ pub fn router(
         .route("/api/v1/queues/{queue}", post(jobs::post_on_queue))
         .route(openapi::PATH, get(openapi::serve))
         .route("/api/v1/{*rest}", axum::routing::any(jobs::no_route))
+        // The API's own prefix, and other versions of it, answer like any
+        // unknown API path: JSON, not the dashboard's empty 404.
+        .route("/api", axum::routing::any(jobs::no_route))
+        .route("/api/", axum::routing::any(jobs::no_route))
+        .route("/api/{*rest}", axum::routing::any(jobs::no_route))
         .method_not_allowed_fallback(jobs::no_method)
         .layer(DefaultBodyLimit::max(body::MAX_BODY_BYTES))
         .route_layer(axum::middleware::from_fn_with_state(

@@ -147,8 +147,8 @@ pub const OPERATIONS: &[Operation] = &[
         method: "post",
         path: "/api/v1/queues/{queue}:pause",
         rpc: "PauseQueue",
-        summary: "Pause a queue: its jobs are not leased until it is resumed.",
-        body: None,
+        summary: "Pause a queue: its jobs are not leased until it is resumed. Body: optional, its queue the path's.",
+        body: Some("PauseQueueRequest"),
         response: Some("PauseQueueResponse"),
         query: &[],
     },
@@ -156,8 +156,8 @@ pub const OPERATIONS: &[Operation] = &[
         method: "post",
         path: "/api/v1/queues/{queue}:resume",
         rpc: "ResumeQueue",
-        summary: "Resume a paused queue.",
-        body: None,
+        summary: "Resume a paused queue. Body: optional, its queue the path's.",
+        body: Some("ResumeQueueRequest"),
         response: Some("ResumeQueueResponse"),
         query: &[],
     },
@@ -216,6 +216,11 @@ fn operation(op: &Operation) -> Value {
         parameters.push(json!({"name": "Last-Event-ID", "in": "header",
                                "schema": {"type": "string"}}));
     }
+    if !op.rpc.is_empty() {
+        parameters.push(json!({"name": crate::auth::identity::TENANT_HEADER, "in": "header",
+            "description": "The tenant to act as: admins and open mode only; a token bound to a tenant acts as its own",
+            "schema": {"type": "string"}}));
+    }
     let success = match (op.response, op.rpc) {
         (Some(name), _) => json!({"description": "OK",
             "content": {"application/json": {"schema": schema_ref(name)}}}),
@@ -247,6 +252,8 @@ fn operation(op: &Operation) -> Value {
     });
     if op.rpc.is_empty() {
         out["operationId"] = json!("openapi");
+        // Served without a token, whatever the document's default.
+        out["security"] = json!([]);
     } else if op.path == DELIVERIES_PATH {
         out["operationId"] = json!("getDeliveries");
     } else if op.path == DEAD_SET_PATH {

@@ -142,6 +142,15 @@ pub fn sequence(field: &str, text: &str) -> Result<u64, ValidationError> {
         .map_err(|_| ValidationError::new(field, "must be an event sequence number"))
 }
 
+/// A route that takes no query: any parameter is refused, as an unknown
+/// filter is, so that a typo in a URL is not silently ignored.
+pub fn none(query: Option<&str>) -> Result<(), ValidationError> {
+    match form_urlencoded::parse(query.unwrap_or_default().as_bytes()).next() {
+        Some((name, _)) => Err(unknown(&name)),
+        None => Ok(()),
+    }
+}
+
 fn unknown(name: &str) -> ValidationError {
     ValidationError::new(name, "unknown query parameter")
 }

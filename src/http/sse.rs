@@ -74,6 +74,7 @@ pub async fn events(
     RawQuery(raw): RawQuery,
     headers: HeaderMap,
 ) -> Result<Response, HttpError> {
+    gateway.permit(Method::WatchJob, &headers)?;
     let after_sequence = resume_point(&headers, raw.as_deref())?;
     // The watch first: it draws the caller's token, and a caller over its
     // rate gets no read of the job.
