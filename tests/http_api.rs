@@ -374,7 +374,7 @@ async fn null_fields_are_fields_left_out(backend: Backend) {
         ),
         (
             r#"{"queue": "nulls", "kind": "k", "priority": null, "maxAttempts": "many"}"#,
-            "maxAttempts: ",
+            "max_attempts: ",
         ),
     ] {
         let body = http
@@ -483,7 +483,14 @@ async fn bad_input_is_400_naming_the_field(backend: Backend) {
             json!({"queue": "q", "kind": "k", "maxAttempts": "many"}),
         )
         .await;
-    assert_eq!(field_of(&wrong_type), "body");
+    assert_eq!(field_of(&wrong_type), "max_attempts");
+    let out_of_range = http
+        .post(
+            "/api/v1/jobs",
+            json!({"queue": "q", "kind": "k", "backoff": {"initial": "1s"}, "priority": 1e12}),
+        )
+        .await;
+    assert_eq!(field_of(&out_of_range), "priority");
     let empty_queue = http
         .post("/api/v1/jobs", job_body("", "k", json!({})))
         .await;

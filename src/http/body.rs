@@ -35,16 +35,27 @@ pub fn bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, HttpError> {
 /// is `null` is one left out, as proto3 JSON reads it (see
 /// [`super::nulls`], tried only for a body the plain decoder refuses, so
 /// that a body without nulls is read once). A body refused both ways is
-/// answered with the lenient reading's reason: the plain one may be a
-/// `null` that is allowed.
+/// answered with the lenient reading's reason, naming the field whose
+/// value was wrong: the plain one may be a `null` that is allowed.
 pub fn parse<T: DeserializeOwned + Default>(body: &[u8]) -> Result<T, HttpError> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok(T::default());
     }
     serde_json::from_slice(body)
         .or_else(|_| super::nulls::from_slice(body))
-        .map_err(|e| {
-            ValidationError::new("body", format!("not valid proto3 JSON for this call: {e}")).into()
+        .map_err(|refused| {
+            // pbjson reads a number as "a number or a string" with serde's
+            // untagged enum, whose error says nothing of numbers.
+            let reason = refused.error.to_string().replace(
+                "data did not match any variant of untagged enum Content",
+                "not a number this field can hold",
+            );
+            let field = refused.field.as_deref().unwrap_or("body");
+            ValidationError::new(
+                field,
+                format!("not valid proto3 JSON for this call: {reason}"),
+            )
+            .into()
         })
 }
 

@@ -14,7 +14,11 @@
 //!
 //! Reading a field twice (once for its extent, once to decode it) costs
 //! one more pass per level of nesting, so [`super::body::parse`] comes
-//! here only for a body the plain decoder refused.
+//! here only for a body the plain decoder refused. A body refused here too
+//! is refused with the path of the field whose value was wrong
+//! (`backoff.initial`, `jobs[1].priority`).
+
+use std::cell::RefCell;
 
 use serde::de::{
     self, DeserializeSeed, Deserializer, Error as _, IntoDeserializer, MapAccess, SeqAccess,
@@ -22,12 +26,62 @@ use serde::de::{
 };
 use serde_json::value::RawValue;
 
+thread_local! {
+    /// The path of the value that failed, innermost first, filled in as
+    /// the error travels out through the levels of [`from_slice`] (serde's
+    /// errors carry text only). Decoding runs on one thread, start to end.
+    static FAILED_AT: RefCell<Vec<String>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Why a body was refused, and where.
+#[derive(Debug)]
+pub struct Refused {
+    /// The field whose value was wrong, as validation names fields
+    /// (`backoff.initial`, `jobs[1].max_attempts`); `None` when the body
+    /// as a whole was (not JSON, an unknown or repeated field at the top).
+    pub field: Option<String>,
+    /// The decoder's reason.
+    pub error: serde_json::Error,
+}
+
 /// Decodes `body` as a `T`, its messages' `null` fields read as left out.
-pub fn from_slice<'de, T: de::Deserialize<'de>>(body: &'de [u8]) -> serde_json::Result<T> {
+pub fn from_slice<'de, T: de::Deserialize<'de>>(body: &'de [u8]) -> Result<T, Refused> {
+    FAILED_AT.with(|path| path.borrow_mut().clear());
     let mut reader = serde_json::Deserializer::from_slice(body);
-    let value = T::deserialize(Lenient(&mut reader))?;
-    reader.end()?;
-    Ok(value)
+    let read = T::deserialize(Lenient(&mut reader)).and_then(|value| {
+        reader.end()?;
+        Ok(value)
+    });
+    read.map_err(|error| Refused {
+        field: FAILED_AT.with(|path| field_path(&path.take())),
+        error,
+    })
+}
+
+/// Notes that the value at `segment` (a field's name, or `[index]`)
+/// failed, around whatever failed inside it.
+fn failed_at(segment: String) {
+    FAILED_AT.with(|path| path.borrow_mut().push(segment));
+}
+
+/// `["initial", "backoff"]` as `backoff.initial`, names in snake_case as
+/// validation writes them (`maxAttempts` is `max_attempts`).
+fn field_path(innermost_first: &[String]) -> Option<String> {
+    let mut path = String::new();
+    for segment in innermost_first.iter().rev() {
+        if !segment.starts_with('[') && !path.is_empty() {
+            path.push('.');
+        }
+        for c in segment.chars() {
+            if c.is_ascii_uppercase() {
+                path.push('_');
+                path.push(c.to_ascii_lowercase());
+            } else {
+                path.push(c);
+            }
+        }
+    }
+    (!path.is_empty()).then_some(path)
 }
 
 /// A deserializer whose structs skip their `null` fields, and whose
@@ -167,10 +221,10 @@ impl<'de, A: MapAccess<'de>> MapAccess<'de> for WithoutNulls<'de, A> {
             .value
             .take()
             .ok_or_else(|| A::Error::custom("a field's value asked for before its name"))?;
-        // The decoder's position is within the field's own text: the
-        // field's name says where that is.
-        seed.deserialize(Lenient(value))
-            .map_err(|e| A::Error::custom(format_args!("{key}: {e}")))
+        seed.deserialize(Lenient(value)).map_err(|e| {
+            failed_at(key);
+            A::Error::custom(e)
+        })
     }
 }
 
@@ -208,12 +262,16 @@ impl<'de, V: Visitor<'de>> Visitor<'de> for Items<V> {
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<V::Value, A::Error> {
-        self.0.visit_seq(LenientItems(seq))
+        self.0.visit_seq(LenientItems { seq, index: 0 })
     }
 }
 
 /// The items of a sequence, each read by a [`Lenient`].
-struct LenientItems<A>(A);
+struct LenientItems<A> {
+    seq: A,
+    /// The next item's.
+    index: usize,
+}
 
 impl<'de, A: SeqAccess<'de>> SeqAccess<'de> for LenientItems<A> {
     type Error = A::Error;
@@ -222,11 +280,16 @@ impl<'de, A: SeqAccess<'de>> SeqAccess<'de> for LenientItems<A> {
         &mut self,
         seed: T,
     ) -> Result<Option<T::Value>, A::Error> {
-        self.0.next_element_seed(LenientSeed(seed))
+        let item = self.seq.next_element_seed(LenientSeed(seed));
+        if item.is_err() {
+            failed_at(format!("[{}]", self.index));
+        }
+        self.index += 1;
+        item
     }
 
     fn size_hint(&self) -> Option<usize> {
-        self.0.size_hint()
+        self.seq.size_hint()
     }
 }
 
@@ -247,7 +310,40 @@ mod tests {
     use crate::pb;
 
     fn read<T: de::DeserializeOwned>(body: &str) -> Result<T, String> {
-        from_slice(body.as_bytes()).map_err(|e| e.to_string())
+        from_slice(body.as_bytes()).map_err(|e| e.error.to_string())
+    }
+
+    fn refused_at<T: de::DeserializeOwned + std::fmt::Debug>(body: &str) -> Option<String> {
+        from_slice::<T>(body.as_bytes()).expect_err(body).field
+    }
+
+    #[test]
+    fn a_refusal_names_the_field_that_was_wrong() {
+        type Submit = pb::SubmitRequest;
+        type Batch = pb::SubmitBatchRequest;
+        let at = |field: &str| Some(field.to_owned());
+        assert_eq!(
+            refused_at::<Submit>(r#"{"maxAttempts": -1}"#),
+            at("max_attempts")
+        );
+        assert_eq!(
+            refused_at::<Submit>(r#"{"priority": 1e99}"#),
+            at("priority")
+        );
+        assert_eq!(
+            refused_at::<Submit>(r#"{"labels": null, "backoff": {"initial": 5}}"#),
+            at("backoff.initial")
+        );
+        assert_eq!(
+            refused_at::<Batch>(r#"{"jobs": [{}, {"queue": "q", "max_cost_cents": "x"}]}"#),
+            at("jobs[1].max_cost_cents")
+        );
+        assert_eq!(
+            refused_at::<Batch>(r#"{"jobs": [{}, {"bogus": 1}]}"#),
+            at("jobs[1]")
+        );
+        assert_eq!(refused_at::<Submit>(r#"{"bogus": 1}"#), None);
+        assert_eq!(refused_at::<Submit>("{not json"), None);
     }
 
     #[test]
@@ -298,18 +394,6 @@ mod tests {
                 "{twice}: {refused:?}"
             );
         }
-        let wrong = read::<pb::SubmitRequest>(r#"{"queue": "q", "priority": "high"}"#);
-        assert!(
-            wrong.as_ref().is_err_and(|e| e.starts_with("priority: ")),
-            "{wrong:?}"
-        );
-        let nested = read::<pb::SubmitRequest>(r#"{"backoff": {"initial": 5}}"#);
-        assert!(
-            nested
-                .as_ref()
-                .is_err_and(|e| e.starts_with("backoff: initial: ")),
-            "{nested:?}"
-        );
         assert!(read::<pb::SubmitRequest>(r#"{"queue": "q"} x"#).is_err());
         assert!(read::<pb::SubmitRequest>("null").is_err());
     }
