@@ -30,6 +30,19 @@ pub fn location(id: &str) -> String {
     format!("/api/v1/jobs/{id}")
 }
 
+/// What a route that takes no query asks before it reads its input: that
+/// the caller may make `method` at all, then that no query was sent.
+fn admit(
+    gateway: &Gateway,
+    method: Method,
+    headers: &HeaderMap,
+    query: Option<&str>,
+) -> Result<(), HttpError> {
+    gateway.permit(method, headers)?;
+    query::none(query)?;
+    Ok(())
+}
+
 /// `POST /api/v1/jobs`: `202` with a new job, `200` with the original one
 /// when the idempotency key and input match an earlier submit.
 pub async fn submit(
@@ -38,8 +51,7 @@ pub async fn submit(
     headers: HeaderMap,
     raw: Body,
 ) -> Result<Response, HttpError> {
-    gateway.permit(Method::Submit, &headers)?;
-    query::none(query.as_deref())?;
+    admit(&gateway, Method::Submit, &headers, query.as_deref())?;
     let mut request: pb::SubmitRequest = body::parse(&body::bytes(raw)?)?;
     if let Some(key) = headers.get(IDEMPOTENCY_KEY) {
         let key = key
@@ -87,8 +99,7 @@ pub async fn submit_batch(
     headers: HeaderMap,
     raw: Body,
 ) -> Result<Response, HttpError> {
-    gateway.permit(Method::SubmitBatch, &headers)?;
-    query::none(query.as_deref())?;
+    admit(&gateway, Method::SubmitBatch, &headers, query.as_deref())?;
     let raw = body::bytes(raw)?;
     body::at_most(&raw, "jobs", MAX_BATCH)?;
     let request: pb::SubmitBatchRequest = body::parse(&raw)?;
@@ -117,8 +128,7 @@ pub async fn get(
             path: location(&id),
         });
     }
-    gateway.permit(Method::Get, &headers)?;
-    query::none(query.as_deref())?;
+    admit(&gateway, Method::Get, &headers, query.as_deref())?;
     let job = gateway
         .call(
             Method::Get,
@@ -138,8 +148,7 @@ pub async fn deliveries(
     RawQuery(query): RawQuery,
     headers: HeaderMap,
 ) -> Result<Response, HttpError> {
-    gateway.permit(Method::Get, &headers)?;
-    query::none(query.as_deref())?;
+    admit(&gateway, Method::Get, &headers, query.as_deref())?;
     let listing = gateway
         .call(
             Method::Get,
@@ -204,8 +213,7 @@ pub async fn post_on_job(
             }
         });
     };
-    gateway.permit(Method::Cancel, &headers)?;
-    query::none(query.as_deref())?;
+    admit(&gateway, Method::Cancel, &headers, query.as_deref())?;
     let mut request: pb::CancelJobRequest = body::parse(&body::bytes(raw)?)?;
     if !request.id.is_empty() && request.id != id {
         return Err(ValidationError::new("id", "differs from the id in the path").into());
@@ -227,8 +235,7 @@ pub async fn retry(
     headers: HeaderMap,
     raw: Body,
 ) -> Result<Response, HttpError> {
-    gateway.permit(Method::Retry, &headers)?;
-    query::none(query.as_deref())?;
+    admit(&gateway, Method::Retry, &headers, query.as_deref())?;
     let request: pb::RetryJobRequest = body::parse(&body::bytes(raw)?)?;
     let answer = gateway
         .call(Method::Retry, &headers, request, |jobs, r| async move {
@@ -271,8 +278,7 @@ pub async fn post_on_queue(
         "resume" => Method::ResumeQueue,
         _ => return Err(no_route()),
     };
-    gateway.permit(method, &headers)?;
-    query::none(query.as_deref())?;
+    admit(&gateway, method, &headers, query.as_deref())?;
     // Pause and resume carry the same message.
     let named: pb::PauseQueueRequest = body::parse(&body::bytes(raw)?)?;
     if !named.queue.is_empty() && named.queue != queue {
