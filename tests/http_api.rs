@@ -491,6 +491,21 @@ async fn bad_input_is_400_naming_the_field(backend: Backend) {
         )
         .await;
     assert_eq!(field_of(&out_of_range), "priority");
+    let inexact = http
+        .send(
+            "POST",
+            "/api/v1/jobs",
+            Some(r#"{"queue": "q", "kind": "k", "payload": {"id": 9223372036854775807}}"#.into()),
+        )
+        .await;
+    assert_eq!(field_of(&inexact), "payload");
+    assert!(
+        inexact.json()["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("send it as a string")),
+        "{}",
+        inexact.json()
+    );
     let empty_queue = http
         .post("/api/v1/jobs", job_body("", "k", json!({})))
         .await;

@@ -375,8 +375,14 @@ async fn read_payload(
 
 /// Parses JSON text into the `google.protobuf.Value` the request carries.
 pub fn parse_payload(text: &str, origin: &str) -> Result<pbjson_types::Value, ClientError> {
-    serde_json::from_str(text)
-        .map_err(|e| ClientError::BadArgument(format!("{origin} is not valid JSON: {e}")))
+    serde_json::from_str(text).map_err(|e| {
+        let why = crate::domain::json::payload_reason(&e.to_string());
+        if e.is_data() {
+            ClientError::BadArgument(format!("{origin} is JSON a job payload cannot hold: {why}"))
+        } else {
+            ClientError::BadArgument(format!("{origin} is not valid JSON: {why}"))
+        }
+    })
 }
 
 /// Builds a `SubmitRequest`; relative times (`--delay`, `--timeout`) count
@@ -807,6 +813,14 @@ mod tests {
         let error = parse_payload("{doc}", "--payload");
         assert!(
             matches!(error, Err(ClientError::BadArgument(m)) if m.starts_with("--payload is not valid JSON"))
+        );
+        // Valid JSON a payload cannot hold is said to be that, with what
+        // to do instead.
+        let error = parse_payload(r#"{"id": 9223372036854775807}"#, "--payload");
+        assert!(
+            matches!(&error, Err(ClientError::BadArgument(m))
+                if m.starts_with("--payload is JSON a job payload cannot hold") && m.contains("as a string")),
+            "{error:?}"
         );
     }
 

@@ -17,6 +17,22 @@ use serde_json::{Number, Value};
 /// not made from such an integer).
 const EXACT: f64 = 9_007_199_254_740_992.0;
 
+/// pbjson's refusal of an integer literal from 2^53 to the 64-bit range
+/// when it reads a `Value` (it reads one past that range as a double, as
+/// it would `1e20`).
+const INEXACT: &str = "out of range integral type conversion attempted";
+
+/// `reason`, a refusal to read JSON as a `Value`, in words a sender can act
+/// on: pbjson's own for an integer a payload cannot hold exactly names a
+/// type conversion.
+pub fn payload_reason(reason: &str) -> String {
+    reason.replace(
+        INEXACT,
+        "an integer beyond 2^53, which a payload cannot hold exactly (its numbers are \
+         doubles): send it as a string",
+    )
+}
+
 /// Turns every whole number less than 2^53 from zero back into an integer;
 /// other numbers stay as they are.
 pub fn whole_numbers_as_integers(value: &mut Value) {

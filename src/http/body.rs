@@ -46,7 +46,7 @@ pub fn parse<T: DeserializeOwned + Default>(body: &[u8]) -> Result<T, HttpError>
         .map_err(|refused| {
             // pbjson reads a number as "a number or a string" with serde's
             // untagged enum, whose error says nothing of numbers.
-            let reason = refused.error.to_string().replace(
+            let reason = crate::domain::json::payload_reason(&refused.error.to_string()).replace(
                 "data did not match any variant of untagged enum Content",
                 "not a number this field can hold",
             );

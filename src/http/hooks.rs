@@ -148,13 +148,13 @@ async fn handle(
         Ok(payload) => payload,
         Err(err) => {
             // A payload's numbers are doubles (google.protobuf.Value): an
-            // integer beyond 2^53 would not survive, and is refused, not
-            // rounded. Said apart from malformed JSON, so that the sender
-            // knows what to change.
+            // integer literal from 2^53 to the 64-bit range would not
+            // survive, and is refused, not rounded. Said apart from
+            // malformed JSON, so that the sender knows what to change.
             let why = if serde_json::from_slice::<serde::de::IgnoredAny>(&body).is_ok() {
                 format!(
-                    "the body is JSON that a job payload cannot hold ({err}); \
-                     send integers beyond 2^53 as strings"
+                    "the body is JSON that a job payload cannot hold: {}",
+                    crate::domain::json::payload_reason(&err.to_string())
                 )
             } else {
                 "the body is not valid JSON".to_owned()
