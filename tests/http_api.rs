@@ -417,12 +417,12 @@ async fn routes_refuse_what_they_do_not_take(backend: Backend) {
             "{method} {path}: {error}"
         );
     }
-    http.send("POST", &format!("/api/v1/jobs/{id}"), None)
-        .await
-        .expect_error(405, "UNIMPLEMENTED");
-    http.get(&format!("/api/v1/jobs/{id}:cancel"))
-        .await
-        .expect_error(405, "UNIMPLEMENTED");
+    let posted = http.send("POST", &format!("/api/v1/jobs/{id}"), None).await;
+    posted.expect_error(405, "UNIMPLEMENTED");
+    assert_eq!(posted.header("allow"), "GET,HEAD");
+    let got = http.get(&format!("/api/v1/jobs/{id}:cancel")).await;
+    got.expect_error(405, "UNIMPLEMENTED");
+    assert_eq!(got.header("allow"), "POST");
     http.send("POST", &format!("/api/v1/jobs/{id}:frobnicate"), None)
         .await
         .expect_error(404, "NOT_FOUND");

@@ -39,6 +39,9 @@ pub enum HttpError {
         method: String,
         /// The request's path.
         path: String,
+        /// The methods the path is served with, for the `Allow` header a
+        /// 405 must carry; `None` where the router adds it itself.
+        allow: Option<&'static str>,
     },
 }
 
@@ -141,6 +144,10 @@ impl IntoResponse for HttpError {
     fn into_response(self) -> Response {
         let status = self.status();
         let code = self.code();
+        let allow = match &self {
+            HttpError::NoMethod { allow, .. } => *allow,
+            _ => None,
+        };
         let (body, delay) = self.body();
         let mut response = (
             status,
@@ -156,6 +163,9 @@ impl IntoResponse for HttpError {
         }
         if code == Code::Unauthenticated {
             headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        if let Some(allow) = allow {
+            headers.insert(header::ALLOW, HeaderValue::from_static(allow));
         }
         response
     }

@@ -126,6 +126,7 @@ pub async fn get(
         return Err(HttpError::NoMethod {
             method: "GET".into(),
             path: location(&id),
+            allow: Some("POST"),
         });
     }
     admit(&gateway, Method::Get, &headers, query.as_deref())?;
@@ -210,6 +211,7 @@ pub async fn post_on_job(
             HttpError::NoMethod {
                 method: "POST".into(),
                 path: location(&segment),
+                allow: Some("GET,HEAD"),
             }
         });
     };
@@ -321,5 +323,6 @@ pub async fn no_method(method: axum::http::Method, uri: axum::http::Uri) -> impl
     HttpError::NoMethod {
         method: method.to_string(),
         path: uri.path().to_owned(),
+        allow: None,
     }
 }
