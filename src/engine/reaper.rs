@@ -94,6 +94,9 @@ pub async fn run(
         if on_tick && let Err(err) = store.read_clock().await {
             tracing::warn!(error = %err, "reading the database's clock failed; retrying next interval");
         }
+        // Deleting what is past retention is the interval's work: a pass
+        // booked for a cancel's grace only ends leases and deadlines.
+        let retention = on_tick.then_some(retention);
         loop {
             match store.reap(BATCH, retention).await {
                 Ok(reaped) => {

@@ -388,9 +388,10 @@ pub trait Store: Send + Sync + 'static {
     }
 
     /// One reaper pass over at most `batch` rows of each kind, deleting
-    /// jobs finished more than `retention` ago. Safe to run from several
-    /// replicas at once.
-    async fn reap(&self, batch: u32, retention: Duration) -> StoreResult<Reaped>;
+    /// jobs finished more than `retention` ago (with `None`, a pass booked
+    /// for a cancel's grace, only leases and deadlines are looked at).
+    /// Safe to run from several replicas at once.
+    async fn reap(&self, batch: u32, retention: Option<Duration>) -> StoreResult<Reaped>;
 
     /// Pauses or resumes leasing from a queue (it keeps accepting jobs).
     async fn set_paused(&self, tenant: &str, queue: &str, paused: bool) -> StoreResult<()>;
@@ -530,6 +531,35 @@ pub(crate) async fn a_briefly_leased_job(store: &dyn Store) -> Uuid {
         .expect("lease")
         .concat();
     leased.first().expect("leased").id
+}
+
+/// A pass without a retention (booked for a cancel's grace) deletes no
+/// finished job, however old; the interval's pass does. Run by each
+/// store's tests.
+#[cfg(test)]
+pub(crate) async fn only_the_intervals_pass_deletes(store: &dyn Store) {
+    use crate::domain::fixtures::new_job;
+    let submitted = store
+        .submit("default", vec![new_job()])
+        .await
+        .expect("submit");
+    let id = match submitted.into_iter().next() {
+        Some(Ok(submitted)) => submitted.job.id,
+        other => panic!("submit: {other:?}"),
+    };
+    store
+        .cancel("default", id, None, Duration::ZERO)
+        .await
+        .expect("cancel");
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let booked = store.reap(10, None).await.expect("booked pass");
+    assert_eq!(booked.deleted, 0, "a booked pass deletes nothing");
+    store.get("default", id).await.expect("still there");
+    let interval = store
+        .reap(10, Some(Duration::ZERO))
+        .await
+        .expect("interval pass");
+    assert_eq!(interval.deleted, 1);
 }
 
 #[cfg(test)]

@@ -2522,7 +2522,7 @@ impl Store for PgStore {
     }
 
     #[tracing::instrument(name = "store.reap", skip_all)]
-    async fn reap(&self, batch: u32, retention: Duration) -> StoreResult<Reaped> {
+    async fn reap(&self, batch: u32, retention: Option<Duration>) -> StoreResult<Reaped> {
         if let Some(keys) = self.unreadable.due_again() {
             self.recheck_unreadable(&keys).await;
         }
@@ -2583,6 +2583,9 @@ impl Store for PgStore {
         save(&mut tx, &saved).await?;
         tx.commit().await?;
         self.committed(changes);
+        let Some(retention) = retention else {
+            return Ok(Reaped::new(reclaimed, past, 0));
+        };
         // Separate, small statement: deleting history must not hold the
         // reaper's row locks longer, nor block claims (it only touches
         // finished rows, which no claim reads). Events have no foreign key
@@ -3658,7 +3661,7 @@ mod tests {
             .expect("break the row");
         tokio::time::sleep(Duration::from_millis(100)).await;
         let reaped = store
-            .reap(10, Duration::from_secs(3600))
+            .reap(10, Some(Duration::from_secs(3600)))
             .await
             .expect("reap");
         assert_eq!(reaped.expired_leases, 0);
@@ -3730,12 +3733,12 @@ mod tests {
         assert!(store.unreadable.set_aside().is_empty(), "mended");
         // And each cut connection of the sqlx pool fails one pass (the
         // reaper's next tick tries again).
-        let mut reaped = store.reap(10, Duration::from_secs(3600)).await;
+        let mut reaped = store.reap(10, Some(Duration::from_secs(3600))).await;
         for _ in 0..cut.len() {
             if reaped.is_ok() {
                 break;
             }
-            reaped = store.reap(10, Duration::from_secs(3600)).await;
+            reaped = store.reap(10, Some(Duration::from_secs(3600))).await;
         }
         let reaped = reaped.expect("reap");
         assert_eq!(reaped.expired_leases, 1, "reclaimed once mended");
@@ -3787,12 +3790,21 @@ mod tests {
         .expect("refuse deletions");
         tokio::time::sleep(Duration::from_millis(100)).await;
         let reaped = store
-            .reap(10, Duration::ZERO)
+            .reap(10, Some(Duration::ZERO))
             .await
             .expect("the pass reports despite the failed deletion");
         assert_eq!((reaped.expired_leases, reaped.deleted), (1, 0));
         drop(store);
         drop(db);
+        scratch.drop().await;
+    }
+
+    #[tokio::test]
+    async fn only_the_intervals_pass_deletes() {
+        let scratch = Scratch::new("intray_booked_pass").await;
+        let store = scratch.store().await;
+        crate::store::only_the_intervals_pass_deletes(&store).await;
+        drop(store);
         scratch.drop().await;
     }
 

@@ -1480,7 +1480,7 @@ impl Store for SqliteStore {
     }
 
     #[tracing::instrument(name = "store.reap", skip_all)]
-    async fn reap(&self, batch: u32, retention: Duration) -> StoreResult<Reaped> {
+    async fn reap(&self, batch: u32, retention: Option<Duration>) -> StoreResult<Reaped> {
         if let Some(keys) = self.unreadable.due_again() {
             self.recheck_unreadable(&keys).await;
         }
@@ -1532,6 +1532,9 @@ impl Store for SqliteStore {
         self.commit(tx, &changes).await?;
         // What was reclaimed is committed: a failed deletion must not lose
         // its report (metrics, attempt spans, the reaper's next pass).
+        let Some(retention) = retention else {
+            return Ok(Reaped::new(reclaimed, expired, 0));
+        };
         let deleted = self
             .delete_past_retention(ms(now).saturating_sub(duration_ms(retention)), batch)
             .await
@@ -2080,6 +2083,13 @@ mod tests {
         assert_eq!(leased, [ids[0]], "the probe alone");
     }
 
+    #[tokio::test]
+    async fn only_the_intervals_pass_deletes() {
+        let dir = tempfile::tempdir().expect("dir");
+        let (store, _) = scratch_store(&dir).await;
+        crate::store::only_the_intervals_pass_deletes(&store).await;
+    }
+
     /// As on PostgreSQL (`a_mended_row_set_aside_by_the_reaper_is_let_back_in`):
     /// an unreadable expired lease is set aside by the reaper, stays aside
     /// while a second look finds it still broken, and once mended is let
@@ -2100,7 +2110,7 @@ mod tests {
             .expect("break the row");
         tokio::time::sleep(Duration::from_millis(100)).await;
         let reaped = store
-            .reap(10, Duration::from_secs(3600))
+            .reap(10, Some(Duration::from_secs(3600)))
             .await
             .expect("reap");
         assert_eq!(reaped.expired_leases, 0);
@@ -2122,7 +2132,7 @@ mod tests {
         store.recheck_unreadable(&keys).await;
         assert!(store.unreadable.set_aside().is_empty(), "mended");
         let reaped = store
-            .reap(10, Duration::from_secs(3600))
+            .reap(10, Some(Duration::from_secs(3600)))
             .await
             .expect("reap");
         assert_eq!(reaped.expired_leases, 1, "reclaimed once mended");
