@@ -40,6 +40,7 @@ common::backend_tests!(
     python_unreported_outcome_holds_the_next_job_back_a_third_of_a_lease,
     python_a_hung_heartbeat_stops_the_job_within_its_lease,
     python_a_success_after_the_grace_stands,
+    python_a_deaf_handler_is_left_behind_after_the_grace,
     python_a_payload_cannot_end_the_worker,
     python_a_payload_large_as_protobuf_is_run,
     python_lease_waits_out_the_servers_retry_info,
@@ -661,6 +662,37 @@ async fn python_started_under_nohup_keeps_running_on_sighup(backend: Backend) {
         "the Python worker still runs"
     );
     worker.kill().await.expect("stop the Python worker");
+    server.stop().await;
+}
+
+/// Told once to stop, the worker gives the job in hand its grace (1 s),
+/// tells it to stop, and leaves a handler deaf to that behind 5 s later:
+/// the 30 s blocking job is handed back as `worker_shutdown` and the
+/// worker exits. It used to wait for the handler's end.
+async fn python_a_deaf_handler_is_left_behind_after_the_grace(backend: Backend) {
+    let env = setup().await;
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let mut worker = start_worker(env, &server.addr.to_string(), 6);
+    let busy = submit(&mut jobs, "py", "busy", json!({"seconds": 30})).await;
+    wait_for_state(&mut jobs, &busy.id, St::Running, LONG).await;
+    let told = Instant::now();
+    let pid = Pid::from_raw(worker.id().expect("worker pid") as i32);
+    kill(pid, Signal::SIGTERM).expect("signal the worker");
+    let status = within(
+        Duration::from_secs(20),
+        "the Python worker to exit",
+        worker.wait(),
+    )
+    .await
+    .expect("wait for the Python worker");
+    assert!(status.success(), "the Python worker exited with {status}");
+    assert!(
+        told.elapsed() < Duration::from_secs(15),
+        "exited {:?} after the SIGTERM",
+        told.elapsed()
+    );
+    assert_eq!(handed_back(&mut jobs, &busy.id).await.attempt, 1);
     server.stop().await;
 }
 

@@ -23,9 +23,10 @@ built, which never ends the worker.
 
 SIGTERM, SIGINT or SIGHUP (unless started with it ignored, as under nohup)
 stops leasing; the job in hand may finish within --grace-seconds, then it is
-stopped and handed back (class worker_shutdown, retryable at once). A second
-one hands the job in hand back at once, without waiting for its handler, and
-gives its report one try. The protocol is described in docs/workers.md.
+told to stop and handed back (class worker_shutdown, retryable at once); a
+handler deaf to that is left behind 5 s later, as at a second signal. A
+second one hands the job in hand back at once, without waiting for its
+handler, and gives its report one try. The protocol is described in docs/workers.md.
 """
 
 import argparse
@@ -91,6 +92,10 @@ MAX_CLASS, MAX_MESSAGE, MAX_RETRY_AFTER = 128, 16384, 7 * 24 * 3600
 # A report's only try once the worker was told twice to stop: a long one
 # would hold the exit back.
 FORCED_CALL_TIMEOUT = 0.5
+# How long a handler told to stop at the grace's end may take to return
+# before it is left behind (the Rust library's cancel_timeout): a handler
+# deaf to its flag would otherwise hold the exit back until it ends.
+STOP_TIMEOUT = 5.0
 # Set once the first stop signal came: no more leases.
 STOPPING = threading.Event()
 # Set once the grace after the first signal has run out, or at a second:
@@ -218,6 +223,10 @@ def stop_now(forced=False):
         hb.cancelled.set()
         if forced:
             ended.set()
+    if not forced:
+        timer = threading.Timer(STOP_TIMEOUT, stop_now, kwargs={"forced": True})
+        timer.daemon = True
+        timer.start()
 
 
 def on_stop_signal(signum):

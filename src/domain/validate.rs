@@ -108,9 +108,10 @@ fn name(field: &str, value: &str, extra: &[char]) -> Result<String> {
         c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | ':' | '-') || extra.contains(&c)
     });
     if !ok {
+        let extra: String = extra.iter().map(|c| format!(" {c}")).collect();
         return Err(ValidationError::new(
             field,
-            "may only contain letters, digits and _ . : -",
+            format!("may only contain letters, digits and _ . : -{extra}"),
         ));
     }
     Ok(value.to_owned())
@@ -680,6 +681,21 @@ mod tests {
         submit(input, &limits(), &AddressPolicy::default(), Utc::now())
             .unwrap_err()
             .field
+    }
+
+    #[test]
+    fn a_refused_name_lists_what_it_may_hold() {
+        let refused = queue("queue", "a b").expect_err("space");
+        assert_eq!(
+            refused.reason,
+            "may only contain letters, digits and _ . : -"
+        );
+        let refused = kind("failure.error_class", "a b").expect_err("space");
+        assert_eq!(
+            refused.reason,
+            "may only contain letters, digits and _ . : - /"
+        );
+        assert!(kind("kind", "a/b:c.d-e_f").is_ok());
     }
 
     #[test]
