@@ -45,9 +45,12 @@ pub struct DatabaseArgs {
 
 impl DatabaseArgs {
     /// The flag, else `INTRAY_DATABASE_URL`, else `DATABASE_URL`, else the default.
+    /// An empty one counts as unset at each step, as an empty
+    /// `DATABASE_URL` always did.
     pub fn url(&self) -> String {
         self.database_url
             .clone()
+            .filter(|v| !v.is_empty())
             .or_else(|| std::env::var("DATABASE_URL").ok().filter(|v| !v.is_empty()))
             .unwrap_or_else(|| DEFAULT_DATABASE_URL.to_owned())
     }
@@ -187,7 +190,7 @@ pub struct ServeArgs {
     #[arg(long, env = "INTRAY_RELOAD_INTERVAL", default_value = "5s", value_parser = duration)]
     pub reload_interval: Duration,
 
-    /// PEM certificate chain for TLS on the gRPC port (with --tls-key). Plaintext without it.
+    /// PEM certificate chain for TLS on the gRPC and HTTP ports (with --tls-key). Plaintext without it.
     #[arg(
         long,
         env = "INTRAY_TLS_CERT",
@@ -341,6 +344,14 @@ impl ServeArgs {
         }
         if self.rpc_timeout.is_zero() || self.reload_interval.is_zero() {
             return Err("--rpc-timeout and --reload-interval must be above zero".into());
+        }
+        // A PING every instant, or one never given time to be answered,
+        // would close every idle connection (a parked Lease, a watch).
+        if self.http2_keepalive_interval.is_zero() || self.http2_keepalive_timeout.is_zero() {
+            return Err(
+                "--http2-keepalive-interval and --http2-keepalive-timeout must be above zero"
+                    .into(),
+            );
         }
         if self.concurrency_limit == 0 {
             return Err("--concurrency-limit must be at least 1".into());
@@ -498,6 +509,24 @@ mod tests {
         let settings = settings_of(&["--lease-duration", "1s", "--max-lease-duration", "1s"])
             .expect("the shortest lease");
         assert_eq!(settings.default_lease, Duration::from_secs(1));
+    }
+
+    #[test]
+    fn keepalives_of_zero_are_refused() {
+        for flag in ["--http2-keepalive-interval", "--http2-keepalive-timeout"] {
+            let refused = settings_of(&[flag, "0s"]).expect_err(flag);
+            assert!(refused.contains(flag), "{refused}");
+        }
+        assert!(settings_of(&["--http2-keepalive-timeout", "1s"]).is_ok());
+    }
+
+    #[test]
+    fn an_empty_database_url_is_unset() {
+        let empty = DatabaseArgs {
+            database_url: Some(String::new()),
+        };
+        // DATABASE_URL's, or the default: never the empty one.
+        assert!(!empty.url().is_empty());
     }
 
     #[test]

@@ -71,7 +71,7 @@ pub struct Settings {
     pub http_allowed_hosts: Option<Vec<String>>,
     /// How often the token file and TLS files are checked for changes.
     pub reload_interval: Duration,
-    /// TLS on the gRPC port; `None` is plaintext.
+    /// TLS on the gRPC and HTTP ports; `None` is plaintext.
     pub tls: Option<TlsFiles>,
     /// Longest a call may take; a `Lease` gets its longest wait on top.
     pub rpc_timeout: Duration,

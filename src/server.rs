@@ -52,6 +52,13 @@ pub enum ServerError {
     Tls(#[from] TlsError),
     #[error("http port: {0}")]
     Http(#[from] std::io::Error),
+    #[error("webhook CA file {path}: {reason}")]
+    WebhookCa {
+        /// The configured `--webhook-ca-file`.
+        path: std::path::PathBuf,
+        /// Why it cannot be used.
+        reason: String,
+    },
 }
 
 /// The tokens of the configured file (`read`, from [`read_files`]), or
@@ -92,7 +99,8 @@ struct Files {
     tls: Option<TlsState>,
 }
 
-/// Reads the token file and the TLS files, and checks the allowed hosts.
+/// Reads the token file and the TLS files, and checks the allowed hosts
+/// and the webhook CA file.
 fn read_files(settings: &Settings) -> Result<Files, ServerError> {
     let tokens = settings
         .auth_file
@@ -109,6 +117,12 @@ fn read_files(settings: &Settings) -> Result<Files, ServerError> {
         .as_ref()
         .map(|files| TlsState::load(files.clone()))
         .transpose()?;
+    if let Some(path) = &settings.webhooks.ca_file {
+        crate::engine::webhooks::check_roots(path).map_err(|reason| ServerError::WebhookCa {
+            path: path.clone(),
+            reason,
+        })?;
+    }
     Ok(Files { tokens, hosts, tls })
 }
 

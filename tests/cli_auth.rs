@@ -286,7 +286,15 @@ async fn serve_stops_at_a_bad_file_before_the_database_is_made() {
     let bad_tokens = dir.path().join("bad-tokens");
     std::fs::write(&bad_tokens, "short acme producer\n").expect("write the token file");
     let missing_cert = dir.path().join("none.crt");
-    let cases: [(&str, Vec<String>, i32); 3] = [
+    let cases: [(&str, Vec<String>, i32); 4] = [
+        (
+            "a webhook CA file that is not there",
+            vec![
+                "--webhook-ca-file".into(),
+                missing_cert.display().to_string(),
+            ],
+            1,
+        ),
         (
             "a token too short",
             vec!["--auth-file".into(), bad_tokens.display().to_string()],

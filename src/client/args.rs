@@ -161,7 +161,7 @@ pub enum ClientCommand {
     ///
     /// The payload JSON is on the command's stdin, its stdout is the result,
     /// exit 0 succeeds, 75 is a retryable failure and any other code a final
-    /// one. Runs until SIGINT or SIGTERM, then drains.
+    /// one. Runs until SIGINT, SIGTERM or SIGHUP, then drains.
     #[command(
         after_help = "Example:\n  intray work --queue default --kind resize --concurrency 4 -- ./resize.sh"
     )]
@@ -179,7 +179,7 @@ pub struct SubmitArgs {
     #[arg(long, value_name = "KIND")]
     pub kind: String,
 
-    /// Job input as JSON text (any JSON value, at most 1 MiB); none when omitted.
+    /// Job input as JSON text (any JSON value, within the server's --max-payload-bytes, 1 MiB by default); none when omitted.
     #[arg(long, value_name = "JSON", conflicts_with = "payload_file")]
     pub payload: Option<String>,
 

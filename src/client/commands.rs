@@ -200,9 +200,17 @@ impl Session {
 /// address as typed, for error messages.
 pub(crate) fn endpoint(opts: &ClientOpts) -> Result<(String, Endpoint), ClientError> {
     let addr = normalize_addr(&opts.addr);
+    let lower = addr.to_ascii_lowercase();
+    // Any other scheme went as plaintext: `htps://` would have sent the
+    // token in the clear to a server the user meant to reach over TLS.
+    if !lower.starts_with("http://") && !lower.starts_with("https://") {
+        return Err(ClientError::BadArgument(format!(
+            "--addr {addr:?}: give host:port, http://host:port or https://host:port"
+        )));
+    }
     let endpoint = Endpoint::from_shared(addr.clone())
         .map_err(|e| ClientError::BadArgument(format!("invalid --addr {addr:?}: {e}")))?;
-    let https = addr.to_ascii_lowercase().starts_with("https://");
+    let https = lower.starts_with("https://");
     let tls_flags = opts.tls_ca.is_some() || opts.client_cert.is_some();
     if !https {
         if tls_flags {
@@ -744,6 +752,28 @@ mod tests {
         opts: ClientOpts,
         #[command(subcommand)]
         command: ClientCommand,
+    }
+
+    #[test]
+    fn an_address_of_another_scheme_is_refused() {
+        let opts = |addr: &str| {
+            Cli::try_parse_from(["intray", "--addr", addr, "stats"])
+                .map(|cli| cli.opts)
+                .expect("parse")
+        };
+        for bad in ["ftp://127.0.0.1:50051", "htps://example.com:443"] {
+            assert!(
+                matches!(endpoint(&opts(bad)), Err(ClientError::BadArgument(_))),
+                "{bad}"
+            );
+        }
+        for good in [
+            "127.0.0.1:50051",
+            "http://127.0.0.1:50051",
+            "HTTP://localhost:1",
+        ] {
+            assert!(endpoint(&opts(good)).is_ok(), "{good}");
+        }
     }
 
     fn command(args: &[&str]) -> ClientCommand {

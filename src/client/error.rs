@@ -54,9 +54,10 @@ impl ClientError {
     /// `NOT_FOUND`; 75 (`EX_TEMPFAIL`, what `intray work` takes from a
     /// command as "retry it") when trying again later may succeed: the
     /// server unreachable (but not a TLS handshake that failed: a
-    /// certificate will not be trusted later either) or `UNAVAILABLE`, or
-    /// `RESOURCE_EXHAUSTED` (a full queue, a rate limit); 1 for everything
-    /// else.
+    /// certificate will not be trusted later either), the connection lost
+    /// during the call, `UNAVAILABLE`, or `RESOURCE_EXHAUSTED` that says
+    /// when to come back (a full queue, a rate limit; a request too large
+    /// says nothing, and would be refused again); 1 for everything else.
     pub fn exit_code(&self) -> i32 {
         match self {
             ClientError::BadArgument(_) => 2,
@@ -65,7 +66,9 @@ impl ClientError {
             ClientError::Status(status) => match status.code() {
                 Code::InvalidArgument => 2,
                 Code::NotFound => 4,
-                Code::Unavailable | Code::ResourceExhausted => 75,
+                Code::Unavailable => 75,
+                Code::ResourceExhausted if status.get_details_retry_info().is_some() => 75,
+                Code::Unknown if connection_lost(status) => 75,
                 _ => 1,
             },
             _ => 1,
@@ -141,6 +144,30 @@ fn describe_status(status: &tonic::Status) -> String {
 
 /// Whether `error` or one of its sources is a TLS failure (rustls's, which
 /// the transport wraps in an I/O error).
+/// Whether `status` was made here from a connection the server reset or
+/// closed during the call (a server that crashed): its source chain ends
+/// in such an I/O error. A broken pipe is not counted: a TLS 1.3 server
+/// refusing a client without a certificate, which trying again cannot
+/// mend, ends the connection that way too.
+fn connection_lost(status: &tonic::Status) -> bool {
+    use std::io::ErrorKind;
+    let mut next = std::error::Error::source(status);
+    while let Some(error) = next {
+        if let Some(io) = error.downcast_ref::<std::io::Error>()
+            && matches!(
+                io.kind(),
+                ErrorKind::ConnectionReset
+                    | ErrorKind::ConnectionAborted
+                    | ErrorKind::UnexpectedEof
+            )
+        {
+            return true;
+        }
+        next = error.source();
+    }
+    false
+}
+
 fn is_tls_failure(error: &(dyn std::error::Error + 'static)) -> bool {
     let mut next = Some(error);
     while let Some(error) = next {
@@ -213,6 +240,35 @@ mod tests {
             "RESOURCE_EXHAUSTED: queue is full\n  retry after 5s"
         );
         assert_eq!(error.exit_code(), 75, "worth trying again later");
+        let too_large = ClientError::from(tonic::Status::resource_exhausted(
+            "the request is larger than the server accepts",
+        ));
+        assert_eq!(
+            too_large.exit_code(),
+            1,
+            "the same request cannot pass later"
+        );
+    }
+
+    #[test]
+    fn a_connection_lost_mid_call_is_worth_trying_again() {
+        let lost = tonic::Status::from_error(Box::new(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "connection reset",
+        )));
+        assert_eq!(lost.code(), Code::Unknown);
+        assert_eq!(ClientError::from(lost).exit_code(), 75);
+        let refused = tonic::Status::from_error(Box::new(std::io::Error::new(
+            std::io::ErrorKind::BrokenPipe,
+            "stream closed because of a broken pipe",
+        )));
+        assert_eq!(
+            ClientError::from(refused).exit_code(),
+            1,
+            "as a TLS alert comes"
+        );
+        let sent = tonic::Status::unknown("the server's own");
+        assert_eq!(ClientError::from(sent).exit_code(), 1);
     }
 
     #[test]

@@ -474,6 +474,13 @@ where
     Ok(response.status().as_u16())
 }
 
+/// Whether `roots_file` holds CA certificates `https` callbacks can be
+/// checked against: a configured file that does not stops the server at
+/// start, where a typo would otherwise fail every such callback.
+pub fn check_roots(roots_file: &std::path::Path) -> Result<(), String> {
+    tls_connector(roots_file).map(drop)
+}
+
 fn tls_connector(roots_file: &std::path::Path) -> Result<TlsConnector, String> {
     let pem = std::fs::read(roots_file).map_err(|e| e.to_string())?;
     let mut roots = RootCertStore::empty();

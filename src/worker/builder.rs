@@ -165,7 +165,9 @@ impl WorkerBuilder {
         self
     }
 
-    /// Lease length asked for, 1 s..=1 h; heartbeats extend it by as much.
+    /// Lease length asked for, at least 1 s and at most the server's
+    /// `--max-lease-duration` (1 h by default; a longer one is refused at
+    /// the first `Lease`); heartbeats extend it by as much.
     pub fn lease_duration(mut self, d: Duration) -> Self {
         self.lease_duration = d;
         self
@@ -218,10 +220,10 @@ impl WorkerBuilder {
         if !(1..=1000).contains(&self.concurrency) {
             return bad("concurrency must be 1..=1000");
         }
-        if self.lease_duration < Duration::from_secs(1)
-            || self.lease_duration > Duration::from_secs(3600)
-        {
-            return bad("lease duration must be 1s..=1h");
+        // No upper bound here: the server's --max-lease-duration (1 h by
+        // default) decides, and refuses a longer one at the first Lease.
+        if self.lease_duration < Duration::from_secs(1) {
+            return bad("lease duration must be at least 1s");
         }
         if self.poll_wait > Duration::from_secs(60) {
             return bad("poll wait must be at most 60s");

@@ -85,6 +85,13 @@ pub(crate) fn endpoint(addr: &str) -> Result<Endpoint, WorkerError> {
     } else {
         format!("http://{addr}")
     };
+    let lower = uri.to_ascii_lowercase();
+    // Another scheme would go as plaintext, a mistyped `https` included.
+    if !lower.starts_with("http://") && !lower.starts_with("https://") {
+        return Err(WorkerError::Config(format!(
+            "invalid server address {uri:?}: give host:port, http://host:port or https://host:port"
+        )));
+    }
     Endpoint::from_shared(uri.clone())
         .map_err(|e| WorkerError::Config(format!("invalid server address {uri:?}: {e}")))
 }
@@ -122,6 +129,16 @@ pub(crate) fn client(endpoint: Endpoint, metadata: CallMetadata) -> Client {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_address_of_another_scheme_is_refused() {
+        assert!(matches!(
+            endpoint("htps://example.com:443"),
+            Err(WorkerError::Config(_))
+        ));
+        assert!(endpoint("127.0.0.1:50051").is_ok());
+        assert!(endpoint("https://example.com").is_ok());
+    }
 
     #[test]
     fn metadata_carries_tenant_and_bearer_token() {
