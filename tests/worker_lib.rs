@@ -30,6 +30,7 @@ common::backend_tests!(
     error_then_retry,
     cancellation_reaches_handler_within_one_heartbeat,
     a_handler_deaf_to_a_cancel_is_dropped_after_cancel_timeout,
+    a_deaf_handlers_report_lands_within_a_short_lease,
     lost_lease_fires_token,
     drain_finishes_running_jobs_and_leases_no_more,
     drain_hands_back_jobs_that_overrun_the_grace,
@@ -488,6 +489,41 @@ async fn a_handler_deaf_to_a_cancel_is_dropped_after_cancel_timeout(backend: Bac
     )
     .await
     .expect("the guard reported");
+    worker.stop(LONG).await.expect("worker stops cleanly");
+    server.stop().await;
+}
+
+/// After a cancel the server no longer extends the lease, so with a lease
+/// (3 s) shorter than `cancel_timeout` (5 s, the default) the worker gives
+/// up on a deaf handler early enough for its report to land: the job ends
+/// CANCELLED with the cost the handler added. Reporting at the timeout, it
+/// was refused (the lease had ended) and the cost was lost.
+async fn a_deaf_handlers_report_lands_within_a_short_lease(backend: Backend) {
+    let server = TestServer::start_with(backend, |s| {
+        s.cancel_grace = Duration::from_secs(30);
+    })
+    .await;
+    let mut jobs = server.jobs_client(TENANT);
+    let worker = Running::start(
+        builder(&server)
+            .queue("q")
+            .lease_duration(Duration::from_secs(3))
+            .handler("deaf", |_: Job, ctx: JobContext| async move {
+                ctx.add_cost(7);
+                tokio::time::sleep(Duration::from_secs(600)).await;
+                Ok(Value::Null)
+            }),
+    );
+    let job = submit(&mut jobs, "q", "deaf", json!({})).await;
+    wait_for_state(&mut jobs, &job.id, St::Running, LONG).await;
+    jobs.cancel(pb::CancelJobRequest {
+        id: job.id.clone(),
+        reason: "test".into(),
+    })
+    .await
+    .expect("Cancel");
+    let done = wait_for_state(&mut jobs, &job.id, St::Cancelled, LONG).await;
+    assert_eq!(done.cost_cents, 7, "the report landed: {done:?}");
     worker.stop(LONG).await.expect("worker stops cleanly");
     server.stop().await;
 }

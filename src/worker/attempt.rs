@@ -111,7 +111,11 @@ async fn supervise(
     let mut give_up_at: Option<Instant> = None;
     loop {
         if ctx.is_cancelled() && give_up_at.is_none() {
-            give_up_at = Some(Instant::now() + shared.config.cancel_timeout);
+            give_up_at = Some(give_up_time(
+                ctx,
+                shared.config.cancel_timeout,
+                shared.config.lease_duration,
+            ));
         }
         let give_up = async {
             match give_up_at {
@@ -140,6 +144,28 @@ async fn supervise(
         }
     }
 }
+
+/// When to give up on a handler whose token fired now: `cancel_timeout`
+/// later, and for a cancelled job no later than leaves its report time to
+/// land within the lease. After a cancel heartbeats no longer extend it,
+/// so with a short lease the timeout alone would report to a lease already
+/// ended, and the job would end without its report (its cost). A shutdown
+/// keeps heartbeating, so its lease does not bound the wait.
+fn give_up_time(ctx: &JobContext, cancel_timeout: Duration, lease: Duration) -> Instant {
+    let by_timeout = Instant::now() + cancel_timeout;
+    let by_lease = ctx
+        .held_until()
+        .filter(|_| ctx.cancel_reason() == Some(CancelReason::CancelRequested))
+        .map(|held| {
+            held.checked_sub(REPORT_TIME.min(lease / 10))
+                .unwrap_or(held)
+        });
+    by_lease.map_or(by_timeout, |by_lease| by_timeout.min(by_lease))
+}
+
+/// What a report is given to land before a lease ends (a tenth of the
+/// lease when that is shorter).
+const REPORT_TIME: Duration = Duration::from_secs(1);
 
 fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
     let text = payload

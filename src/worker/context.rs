@@ -4,6 +4,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use tokio::sync::Notify;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 /// Why a handler's cancellation token fired.
@@ -41,6 +42,10 @@ struct Inner {
     /// lease later.
     progress_reported: Notify,
     cost_cents: AtomicI64,
+    /// Until when the lease is surely held, by this worker's clock: from
+    /// the last heartbeat the server extended it at. None before the
+    /// first estimate.
+    held_until: Mutex<Option<Instant>>,
 }
 
 impl JobContext {
@@ -55,6 +60,7 @@ impl JobContext {
                 progress: Mutex::new(None),
                 progress_reported: Notify::new(),
                 cost_cents: AtomicI64::new(0),
+                held_until: Mutex::new(None),
             }),
         }
     }
@@ -160,6 +166,24 @@ impl JobContext {
 
     pub(crate) async fn progress_reported(&self) {
         self.inner.progress_reported.notified().await;
+    }
+
+    /// Notes until when the lease is surely held (the heartbeats' view).
+    pub(crate) fn set_held_until(&self, at: Instant) {
+        *self
+            .inner
+            .held_until
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(at);
+    }
+
+    /// Until when the lease is surely held, once the heartbeats know.
+    pub(crate) fn held_until(&self) -> Option<Instant> {
+        *self
+            .inner
+            .held_until
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 }
 

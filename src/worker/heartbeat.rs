@@ -39,6 +39,7 @@ pub(crate) async fn keep_alive(
 ) {
     let config = &shared.config;
     let mut held_until = received + config.lease_duration;
+    ctx.set_held_until(held_until);
     // From the job's arrival: a next job that waited for its outcome's
     // retries has less of its lease left than a fresh one.
     let mut next = received + config.heartbeat_interval;
@@ -76,11 +77,17 @@ pub(crate) async fn keep_alive(
         match client.heartbeat(request).await {
             Ok(response) => {
                 retry.reset();
-                held_until = sent_at + config.lease_duration;
                 next = Instant::now() + config.heartbeat_interval;
-                if response.into_inner().cancel_requested && !ctx.is_cancelled() {
-                    tracing::info!(job_id = %leased.job_id, "job cancelled; stopping its handler");
-                    ctx.cancel(CancelReason::CancelRequested);
+                // After a cancel the server no longer extends the lease: it
+                // ends when it would have, or sooner (the cancel's grace).
+                if response.into_inner().cancel_requested {
+                    if !ctx.is_cancelled() {
+                        tracing::info!(job_id = %leased.job_id, "job cancelled; stopping its handler");
+                        ctx.cancel(CancelReason::CancelRequested);
+                    }
+                } else {
+                    held_until = sent_at + config.lease_duration;
+                    ctx.set_held_until(held_until);
                 }
             }
             Err(status) if matches!(status.code(), Code::Aborted | Code::NotFound) => {
