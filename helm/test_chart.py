@@ -442,6 +442,18 @@ def check_service_monitor(vals, prod):
           f"with TLS and a token: HTTPS on the port named https, with the tlsConfig and the token: "
           f"{sm['spec']['endpoints']}")
 
+    mtls = dict(prod, tls=dict(prod["tls"], clientAuth=True))
+    check(render_fails(dict(mtls, metrics={"serviceMonitor": dict(on, tokenSecret=token, tlsConfig=tls_config)}),
+                       "tlsConfig.cert"),
+          "with tls.clientAuth, a ServiceMonitor without a client certificate is refused (the server refuses"
+          " every such scrape)")
+    client = dict(tls_config, cert={"secret": {"name": "prom-client", "key": "tls.crt"}},
+                  keySecret={"name": "prom-client", "key": "tls.key"})
+    docs, out = render(dict(mtls, metrics={"serviceMonitor": dict(on, tokenSecret=token, tlsConfig=client)}))
+    check(len(kind(docs, "ServiceMonitor")) == 1, "with tls.clientAuth and a client certificate it renders")
+    check("-cert client.crt -key client.key" in out.get("intray/templates/NOTES.txt", ""),
+          "under tls.clientAuth the NOTES' grpcurl presents a client certificate")
+
     check(rejected(dict(vals, metrics={"serviceMonitor": {"enable": True}})),
           "schema refuses a misspelt serviceMonitor key")
     check(rejected(dict(vals, metrics={"serviceMonitor": {"enabled": True, "interval": "30 seconds"}})),
@@ -657,6 +669,22 @@ def main():
     [secret] = kind(docs, "Secret")
     check("DATABASE_URL" in secret["stringData"] and "tokens" in secret["stringData"],
           "inline URL and tokens go to the chart's Secret")
+
+    indented = "  # TOKEN TENANT ROLES\nsha256:" + "a" * 64 + " acme producer\n"
+    docs, _ = render(dict(defaults, auth={"tokens": indented}))
+    [secret] = kind(docs, "Secret")
+    check(secret["stringData"]["tokens"] == indented,
+          "inline tokens whose first line is indented reach the Secret as written")
+    for key in ("INTRAY_TLS_CERT", "INTRAY_TLS_KEY", "INTRAY_TLS_CLIENT_CA"):
+        check(rejected(dict(defaults, config=dict(defaults["config"], **{key: "/x"}))),
+              f"schema refuses config.{key}, which tls.* sets")
+    check(render_fails(dict(defaults, terminationGracePeriodSeconds=40), "terminationGracePeriodSeconds",
+                       schema=False),
+          "a kill budget below the delay, the grace and 12 s is refused")
+    check(render_fails(dict(defaults, terminationGracePeriodSeconds=60,
+                            config=dict(defaults["config"], INTRAY_SHUTDOWN_GRACE="60s")),
+                       "terminationGracePeriodSeconds", schema=False),
+          "a longer grace needs a longer kill budget")
 
     check(rejected(dict(defaults, replicaCount=2)), "schema refuses SQLite with 2 replicas")
     for what, database in (("no database", {}), ("a SQLite URL", {"url": "sqlite:///var/lib/intray/x.db"})):
