@@ -339,6 +339,20 @@ async fn null_fields_are_fields_left_out(backend: Backend) {
     let job = reply.json();
     assert_eq!(job["payload"], json!({"a": null, "b": [null]}));
     assert_eq!(job["maxAttempts"], 3, "the default: {job}");
+    let decimal = http
+        .send(
+            "POST",
+            "/api/v1/jobs",
+            Some(r#"{"queue": "nulls", "kind": "k", "maxAttempts": 2.0, "priority": null}"#.into()),
+        )
+        .await;
+    assert_eq!(
+        decimal.status,
+        202,
+        "{}",
+        String::from_utf8_lossy(&decimal.body)
+    );
+    assert_eq!(decimal.json()["maxAttempts"], 2, "2.0 is the integer 2");
     assert_eq!(job["backoff"]["max"], "60s", "{job}");
 
     let mut item = unset;
@@ -361,7 +375,7 @@ async fn null_fields_are_fields_left_out(backend: Backend) {
         .get("/api/v1/jobs?queue=nulls&page_size=10")
         .await
         .json();
-    assert_eq!(listed["jobs"].as_array().map(Vec::len), Some(2), "{listed}");
+    assert_eq!(listed["jobs"].as_array().map(Vec::len), Some(3), "{listed}");
 
     for (refused, reason) in [
         (
@@ -387,7 +401,7 @@ async fn null_fields_are_fields_left_out(backend: Backend) {
     let listed = http.get("/api/v1/jobs?queue=nulls").await.json();
     assert_eq!(
         listed["jobs"].as_array().map(Vec::len),
-        Some(2),
+        Some(3),
         "nothing more was stored"
     );
     server.stop().await;

@@ -221,10 +221,49 @@ impl<'de, A: MapAccess<'de>> MapAccess<'de> for WithoutNulls<'de, A> {
             .value
             .take()
             .ok_or_else(|| A::Error::custom("a field's value asked for before its name"))?;
-        seed.deserialize(Lenient(value)).map_err(|e| {
+        let read = match whole_number(value) {
+            Some(n) => seed.deserialize(Whole(n)),
+            None => seed.deserialize(Lenient(value)),
+        };
+        read.map_err(|e| {
             failed_at(key);
             A::Error::custom(e)
         })
+    }
+}
+
+/// A number written with a fraction or an exponent whose value is whole
+/// and exact as a double (`2.0`, `1e1`): proto3 JSON takes it for an
+/// integer field, the generated decoders do not. For any other field it
+/// is the same number.
+fn whole_number(raw: &RawValue) -> Option<i64> {
+    let text = raw.get();
+    if !text.contains(['.', 'e', 'E']) {
+        return None;
+    }
+    let n: f64 = text.parse().ok()?;
+    // Under 2^53 the cast is exact.
+    (n.is_finite() && n.fract() == 0.0 && n.abs() < 9_007_199_254_740_992.0).then_some(n as i64)
+}
+
+/// A whole number handed to a field's decoder as an integer.
+struct Whole(i64);
+
+impl<'de> Deserializer<'de> for Whole {
+    type Error = serde_json::Error;
+
+    fn deserialize_any<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Self::Error> {
+        visitor.visit_i64(self.0)
+    }
+
+    fn deserialize_option<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Self::Error> {
+        visitor.visit_some(self)
+    }
+
+    serde::forward_to_deserialize_any! {
+        bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string
+        bytes byte_buf unit unit_struct newtype_struct seq tuple tuple_struct
+        map struct enum identifier ignored_any
     }
 }
 
@@ -366,6 +405,25 @@ mod tests {
             payload,
             serde_json::json!({"a": null, "b": [null, 1], "c": {"kind": null}})
         );
+    }
+
+    #[test]
+    fn whole_numbers_written_as_decimals_are_integers() {
+        let body = r#"{"queue": "q", "kind": "k", "maxAttempts": 2.0, "priority": 1e1,
+            "maxCostCents": "5", "payload": {"n": 2.0}}"#;
+        let submit: pb::SubmitRequest = read(body).expect("read");
+        assert_eq!(submit.max_attempts, Some(2));
+        assert_eq!(submit.priority, 10);
+        assert_eq!(submit.max_cost_cents, Some(5));
+        let payload = crate::api::convert::from_value("payload", submit.payload).expect("payload");
+        assert_eq!(payload, serde_json::json!({"n": 2}));
+        for refused in [
+            r#"{"maxAttempts": 2.5}"#,
+            r#"{"priority": 1e300}"#,
+            r#"{"queue": 1.0}"#,
+        ] {
+            assert!(read::<pb::SubmitRequest>(refused).is_err(), "{refused}");
+        }
     }
 
     #[test]
