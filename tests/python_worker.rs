@@ -679,14 +679,7 @@ async fn python_a_deaf_handler_is_left_behind_after_the_grace(backend: Backend) 
     let told = Instant::now();
     let pid = Pid::from_raw(worker.id().expect("worker pid") as i32);
     kill(pid, Signal::SIGTERM).expect("signal the worker");
-    let status = within(
-        Duration::from_secs(20),
-        "the Python worker to exit",
-        worker.wait(),
-    )
-    .await
-    .expect("wait for the Python worker");
-    assert!(status.success(), "the Python worker exited with {status}");
+    exited_cleanly(&mut worker).await;
     assert!(
         told.elapsed() < Duration::from_secs(15),
         "exited {:?} after the SIGTERM",

@@ -199,18 +199,13 @@ impl Session {
 /// (trusting `--tls-ca`, presenting `--client-cert` when given); the
 /// address as typed, for error messages.
 pub(crate) fn endpoint(opts: &ClientOpts) -> Result<(String, Endpoint), ClientError> {
-    let addr = normalize_addr(&opts.addr);
-    let lower = addr.to_ascii_lowercase();
-    // Any other scheme went as plaintext: `htps://` would have sent the
+    // Another scheme went as plaintext: `htps://` would have sent the
     // token in the clear to a server the user meant to reach over TLS.
-    if !lower.starts_with("http://") && !lower.starts_with("https://") {
-        return Err(ClientError::BadArgument(format!(
-            "--addr {addr:?}: give host:port, http://host:port or https://host:port"
-        )));
-    }
+    let addr = crate::worker::connection::server_uri(&opts.addr)
+        .map_err(|e| ClientError::BadArgument(format!("--addr {e}")))?;
     let endpoint = Endpoint::from_shared(addr.clone())
         .map_err(|e| ClientError::BadArgument(format!("invalid --addr {addr:?}: {e}")))?;
-    let https = lower.starts_with("https://");
+    let https = addr.to_ascii_lowercase().starts_with("https://");
     let tls_flags = opts.tls_ca.is_some() || opts.client_cert.is_some();
     if !https {
         if tls_flags {
@@ -298,15 +293,6 @@ pub(crate) fn authorization(
 }
 
 /// `host:port` is what people type; tonic needs a URI with a scheme.
-fn normalize_addr(addr: &str) -> String {
-    let addr = addr.trim();
-    if addr.contains("://") {
-        addr.to_owned()
-    } else {
-        format!("http://{addr}")
-    }
-}
-
 /// An empty tenant (an `INTRAY_TENANT=` left in the environment) means none,
 /// so the server applies its default rather than rejecting "".
 pub(crate) fn tenant_metadata(
@@ -875,8 +861,12 @@ mod tests {
 
     #[test]
     fn addresses_get_a_scheme_and_tenants_must_be_ascii() {
-        assert_eq!(normalize_addr("localhost:50051"), "http://localhost:50051");
-        assert_eq!(normalize_addr("https://x:1"), "https://x:1");
+        let uri = crate::worker::connection::server_uri;
+        assert_eq!(
+            uri("localhost:50051").as_deref(),
+            Ok("http://localhost:50051")
+        );
+        assert_eq!(uri("https://x:1").as_deref(), Ok("https://x:1"));
         assert!(matches!(tenant_metadata(Some("")), Ok(None)));
         assert!(matches!(tenant_metadata(Some("acme")), Ok(Some(_))));
         assert!(tenant_metadata(Some("ä")).is_err());

@@ -77,8 +77,11 @@ impl Interceptor for CallMetadata {
     }
 }
 
-/// `host:port` is what people type; tonic needs a URI with a scheme.
-pub(crate) fn endpoint(addr: &str) -> Result<Endpoint, WorkerError> {
+/// `host:port` is what people type; tonic needs a URI with a scheme. An
+/// `http://` or `https://` address is taken as it is; another scheme is
+/// refused, since it would go as plaintext (a mistyped `https` included).
+/// The CLI reads `--addr` with this too.
+pub(crate) fn server_uri(addr: &str) -> Result<String, String> {
     let addr = addr.trim();
     let uri = if addr.contains("://") {
         addr.to_owned()
@@ -86,12 +89,19 @@ pub(crate) fn endpoint(addr: &str) -> Result<Endpoint, WorkerError> {
         format!("http://{addr}")
     };
     let lower = uri.to_ascii_lowercase();
-    // Another scheme would go as plaintext, a mistyped `https` included.
-    if !lower.starts_with("http://") && !lower.starts_with("https://") {
-        return Err(WorkerError::Config(format!(
-            "invalid server address {uri:?}: give host:port, http://host:port or https://host:port"
-        )));
+    if lower.starts_with("http://") || lower.starts_with("https://") {
+        Ok(uri)
+    } else {
+        Err(format!(
+            "{uri:?}: give host:port, http://host:port or https://host:port"
+        ))
     }
+}
+
+/// The server's endpoint at `addr` (see [`server_uri`]).
+pub(crate) fn endpoint(addr: &str) -> Result<Endpoint, WorkerError> {
+    let uri =
+        server_uri(addr).map_err(|e| WorkerError::Config(format!("invalid server address {e}")))?;
     Endpoint::from_shared(uri.clone())
         .map_err(|e| WorkerError::Config(format!("invalid server address {uri:?}: {e}")))
 }

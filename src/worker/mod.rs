@@ -65,7 +65,7 @@
 mod attempt;
 mod backoff;
 mod builder;
-mod connection;
+pub(crate) mod connection;
 mod context;
 mod error;
 mod heartbeat;
