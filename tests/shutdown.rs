@@ -11,6 +11,7 @@ use common::*;
 use futures::StreamExt;
 use intray::pb;
 use serde_json::json;
+use tonic_types::StatusExt;
 
 common::backend_tests!(
     shutdown_ends_long_polls_and_streams_promptly,
@@ -85,6 +86,10 @@ async fn shutdown_ends_long_polls_and_streams_promptly(backend: Backend) {
     assert_eq!(more, 0, "no event was invented");
     let status = ended_with.expect("the stream ends UNAVAILABLE, not OK: the job has not ended");
     assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    // A client tells it from a database outage by its reason, not its text.
+    assert!(intray::api::is_watch_interrupted(&status), "{status:?}");
+    let info = status.get_details_error_info().expect("an ErrorInfo");
+    assert_eq!(info.reason, intray::api::WATCH_INTERRUPTED);
     assert!(ended_after < Duration::from_secs(10), "{ended_after:?}");
 }
 

@@ -11,7 +11,7 @@ use uuid::Uuid;
 use super::Context;
 use super::backpressure::{QueueDepths, Slot};
 use super::convert;
-use super::status::{ApiError, item_error};
+use super::status::{ApiError, item_error, watch_interrupted};
 use super::tenant::{grant_of, tenant_of};
 use crate::auth::{AuthError, Grant};
 use crate::domain::validate::{self, MAX_BATCH, ValidationError};
@@ -541,24 +541,6 @@ struct Watching {
     /// The job's count of unkept changes before the last read that found
     /// nothing new; `None` when the next wake-up must read.
     read_at: Option<u64>,
-}
-
-/// How a `WatchJob` stream that shutdown interrupts ends. Not OK, which a
-/// client would take for "the job has ended": the job goes on, and so must
-/// the watch, elsewhere.
-const WATCH_INTERRUPTED: &str = "the server is shutting down; watch again from the last sequence";
-
-/// The status ending a `WatchJob` stream that shutdown interrupts before
-/// its job's terminal event.
-fn watch_interrupted() -> Status {
-    Status::unavailable(WATCH_INTERRUPTED)
-}
-
-/// Whether `status` ends a `WatchJob` stream that shutdown interrupted. The
-/// HTTP face ends its event stream quietly then, as an `EventSource`
-/// reconnects with `Last-Event-ID` by itself, rather than report an error.
-pub fn is_watch_interrupted(status: &Status) -> bool {
-    status.code() == tonic::Code::Unavailable && status.message() == WATCH_INTERRUPTED
 }
 
 /// The events of a `WatchJob` stream: the stored events after `after`, then

@@ -9,7 +9,8 @@ mod status;
 mod tenant;
 mod workers;
 
-pub use jobs::{FromIngress, JobsApi, is_watch_interrupted};
+pub use jobs::{FromIngress, JobsApi};
+pub use status::{WATCH_INTERRUPTED, is_watch_interrupted};
 
 /// A job as the API shows it (the proto3 JSON mapping of `Job`), for the
 /// bodies of completion callbacks.

@@ -27,6 +27,35 @@ pub enum ApiError {
     },
 }
 
+/// The `ErrorInfo` reason that marks a `WatchJob` stream ended by shutdown,
+/// so a client can tell it from a database outage (also `UNAVAILABLE`)
+/// without reading the message.
+pub const WATCH_INTERRUPTED: &str = "WATCH_INTERRUPTED";
+
+/// `ErrorInfo.domain` of the reasons intray sets.
+const DOMAIN: &str = "intray";
+
+/// How a `WatchJob` stream that shutdown interrupts before its job's
+/// terminal event ends. Not OK, which a client would take for "the job has
+/// ended": the job goes on, and so must the watch, elsewhere.
+pub fn watch_interrupted() -> Status {
+    Status::with_error_details(
+        Code::Unavailable,
+        "the server is shutting down; watch again from the last sequence",
+        ErrorDetails::with_error_info(WATCH_INTERRUPTED, DOMAIN, []),
+    )
+}
+
+/// Whether `status` ends a `WatchJob` stream that shutdown interrupted. The
+/// HTTP face ends its event stream quietly then, as an `EventSource`
+/// reconnects with `Last-Event-ID` by itself, rather than report an error.
+pub fn is_watch_interrupted(status: &Status) -> bool {
+    status.code() == Code::Unavailable
+        && status
+            .get_details_error_info()
+            .is_some_and(|info| info.reason == WATCH_INTERRUPTED && info.domain == DOMAIN)
+}
+
 fn code_and_message(err: &ApiError) -> (Code, String) {
     match err {
         ApiError::Invalid(v) => (Code::InvalidArgument, v.to_string()),
