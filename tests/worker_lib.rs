@@ -31,6 +31,8 @@ common::backend_tests!(
     cancellation_reaches_handler_within_one_heartbeat,
     a_handler_deaf_to_a_cancel_is_dropped_after_cancel_timeout,
     a_deaf_handlers_report_lands_within_a_short_lease,
+    a_deaf_handlers_report_lands_within_the_cancel_grace,
+    dropping_the_worker_stops_its_handlers,
     lost_lease_fires_token,
     drain_finishes_running_jobs_and_leases_no_more,
     drain_hands_back_jobs_that_overrun_the_grace,
@@ -528,6 +530,82 @@ async fn a_deaf_handlers_report_lands_within_a_short_lease(backend: Backend) {
     server.stop().await;
 }
 
+/// A cancel cuts the lease to the server's cancel grace (2 s here), far
+/// shorter than the lease (30 s) and than `cancel_timeout` (10 s): the
+/// worker learns the cut from the heartbeat that brings the cancel and gives
+/// up on a deaf handler in time for its report, with the cost the handler
+/// added, to land. Going by its own lease and timeout, it reported after the
+/// grace, was refused, and the cost was lost.
+async fn a_deaf_handlers_report_lands_within_the_cancel_grace(backend: Backend) {
+    let server = TestServer::start_with(backend, |s| {
+        s.cancel_grace = Duration::from_secs(2);
+    })
+    .await;
+    let mut jobs = server.jobs_client(TENANT);
+    let worker = Running::start(
+        builder(&server)
+            .queue("q")
+            .lease_duration(Duration::from_secs(30))
+            .heartbeat_interval(Duration::from_millis(500))
+            .cancel_timeout(Duration::from_secs(10))
+            .handler("deaf", |_: Job, ctx: JobContext| async move {
+                ctx.add_cost(7);
+                tokio::time::sleep(Duration::from_secs(600)).await;
+                Ok(Value::Null)
+            }),
+    );
+    let job = submit(&mut jobs, "q", "deaf", json!({})).await;
+    wait_for_state(&mut jobs, &job.id, St::Running, LONG).await;
+    jobs.cancel(pb::CancelJobRequest {
+        id: job.id.clone(),
+        reason: "test".into(),
+    })
+    .await
+    .expect("Cancel");
+    let done = wait_for_state(&mut jobs, &job.id, St::Cancelled, LONG).await;
+    assert_eq!(done.cost_cents, 7, "the report landed: {done:?}");
+    worker.stop(LONG).await.expect("worker stops cleanly");
+    server.stop().await;
+}
+
+/// Dropping `Worker::run`'s future (not cancel-safe, as documented) stops
+/// its handlers: they must not run on unsupervised, with nobody to
+/// heartbeat or report, while their jobs come back to other workers.
+async fn dropping_the_worker_stops_its_handlers(backend: Backend) {
+    let server = TestServer::start(backend).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let (dropped_tx, mut dropped) = mpsc::unbounded_channel::<()>();
+    /// Says when the handler's future is dropped.
+    struct Guard(mpsc::UnboundedSender<()>);
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            let _ = self.0.send(());
+        }
+    }
+    let worker = Running::start(builder(&server).queue("q").handler(
+        "long",
+        move |_: Job, _: JobContext| {
+            let guard = Guard(dropped_tx.clone());
+            async move {
+                let _guard = guard;
+                tokio::time::sleep(Duration::from_secs(600)).await;
+                Ok(Value::Null)
+            }
+        },
+    ));
+    let job = submit(&mut jobs, "q", "long", json!({})).await;
+    wait_for_state(&mut jobs, &job.id, St::Running, LONG).await;
+    worker.task.abort();
+    within_time(
+        Duration::from_secs(2),
+        "the handler dropped with the worker",
+        dropped.recv(),
+    )
+    .await
+    .expect("the guard reported");
+    server.stop().await;
+}
+
 async fn error_then_retry(backend: Backend) {
     let server = TestServer::start(backend).await;
     let mut jobs = server.jobs_client(TENANT);
@@ -550,12 +628,18 @@ async fn error_then_retry(backend: Backend) {
                     panic!("handler bug");
                 }
                 Ok(Value::Null)
+            })
+            // Panics when called, before it has a future to poll.
+            .handler("panics_early", |job: Job, _ctx: JobContext| {
+                assert!(job.attempt > 1, "handler bug before its first await");
+                async move { Ok(Value::Null) }
             }),
     );
 
     let flaky = submit(&mut jobs, "q", "flaky", json!({})).await;
     let broken = submit(&mut jobs, "q", "broken", json!({})).await;
     let panics = submit(&mut jobs, "q", "panics", json!({})).await;
+    let panics_early = submit(&mut jobs, "q", "panics_early", json!({})).await;
 
     let job = wait_for_state(&mut jobs, &flaky.id, St::Succeeded, LONG).await;
     assert_eq!(job.attempt, 2, "the retryable failure was retried");
@@ -582,6 +666,19 @@ async fn error_then_retry(backend: Backend) {
 
     let job = wait_for_state(&mut jobs, &panics.id, St::Succeeded, LONG).await;
     assert_eq!(job.attempt, 2, "a panic is a retryable failure");
+    // Not left to wait out its 60 s lease: reported at once, as a panic.
+    let job = wait_for_state(&mut jobs, &panics_early.id, St::Succeeded, LONG).await;
+    assert_eq!(job.attempt, 2, "a panic before the first await too");
+    let events = watch_all(&mut jobs, &panics_early.id, 0, LONG).await;
+    assert!(
+        events
+            .iter()
+            .any(|e| e.r#type == pb::JobEventType::RetryScheduled as i32
+                && e.detail
+                    .as_ref()
+                    .is_some_and(|d| format!("{d:?}").contains("handler_panicked"))),
+        "{events:?}"
+    );
 
     worker.stop(LONG).await.expect("worker stops cleanly");
     server.stop().await;

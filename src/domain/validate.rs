@@ -380,7 +380,8 @@ pub struct LeaseInput {
     pub all_tenants: bool,
 }
 
-fn worker_id(value: &str) -> Result<String> {
+/// A worker's id: 1 to 128 characters, no NUL.
+pub fn worker_id(value: &str) -> Result<String> {
     if value.is_empty() {
         return Err(ValidationError::new("worker_id", "must not be empty"));
     }

@@ -1,6 +1,7 @@
 //! One attempt: run the handler, keep its lease alive, stop it when told,
 //! and report the outcome.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -59,7 +60,17 @@ pub(crate) async fn run(shared: &Shared, leased: Leased) -> Option<Leased> {
             format!("this worker has no handler for kind {:?}", leased.kind),
         ))),
         (Ok(job), Some(handler)) => {
-            let task = tokio::spawn(handler(job, ctx.clone()));
+            // Called inside the task, so that a panic before the handler's
+            // first await (in a closure's synchronous part) is caught as a
+            // panic of the task, like one after it.
+            let handler = Arc::clone(handler);
+            let handler_ctx = ctx.clone();
+            let task = tokio::spawn(async move { handler(job, handler_ctx).await });
+            // Dropping a task's handle leaves the task running: if this
+            // attempt is dropped (`Worker::run` dropped), the handler must
+            // stop with it, not run on unsupervised and unreported while
+            // its lease runs out and another worker takes the job.
+            let _abort = AbortOnDrop(task.abort_handle());
             supervise(shared, &leased, received, &ctx, task).await
         }
     };
@@ -93,6 +104,15 @@ pub(crate) async fn run(shared: &Shared, leased: Leased) -> Option<Leased> {
         (None, Ended::Abandoned) => failure(&JobError::retryable("handler_abandoned", "")),
     };
     complete(shared, &leased, outcome, ctx.cost_cents()).await
+}
+
+/// Aborts a handler's task when dropped.
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Waits for the handler while heartbeating; fires its token on shutdown
@@ -255,6 +275,8 @@ async fn complete(
     // Whether the outcome was already replaced after a refusal: the
     // replacement is not replaced again.
     let mut replaced = false;
+    // Whether a try went unanswered: the server may have applied it.
+    let mut unanswered = false;
     loop {
         let item = pb::CompleteRequest {
             job_id: leased.job_id.clone(),
@@ -321,6 +343,10 @@ async fn complete(
             Err(status) => status,
         };
         match status.code() {
+            Code::Aborted | Code::NotFound if unanswered => {
+                tracing::warn!(job_id = %leased.job_id, message = status.message(), "lease ended: an earlier try whose answer was lost applied the outcome, or the lease was lost before it");
+                return next;
+            }
             Code::Aborted | Code::NotFound => {
                 tracing::warn!(job_id = %leased.job_id, message = status.message(), "lease lost before the outcome was reported; it is dropped");
                 return next;
@@ -351,6 +377,7 @@ async fn complete(
                 && !shared.forced.is_cancelled() =>
             {
                 // The last try comes at the limit, not a backoff past it.
+                unanswered |= !matches!(code, Code::ResourceExhausted);
                 let delay = retry
                     .next_delay_after(&status)
                     .min(give_up.saturating_duration_since(Instant::now()));

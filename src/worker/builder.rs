@@ -13,6 +13,7 @@ use super::context::JobContext;
 use super::error::{JobError, WorkerError};
 use super::job::Job;
 use super::runner::Worker;
+use crate::domain::validate;
 
 /// A handler, type-erased so handlers of different kinds share a map.
 pub(crate) type BoxHandler = Arc<
@@ -98,7 +99,11 @@ impl WorkerBuilder {
     }
 
     /// Uses a ready-made endpoint instead of the address, e.g. one with
-    /// `tls_config` set when tonic is built with a TLS feature.
+    /// `tls_config` set for a private CA or a client certificate (an
+    /// `https://` address alone verifies the server against the system's
+    /// roots). The worker sets its own HTTP/2 keep-alive (a PING every 20 s,
+    /// 10 s to answer, idle or not), a 5 s connect timeout and `TCP_NODELAY`
+    /// on it, over any set here.
     pub fn endpoint(mut self, endpoint: Endpoint) -> Self {
         self.endpoint = Ok(endpoint);
         self
@@ -128,8 +133,10 @@ impl WorkerBuilder {
         self
     }
 
-    /// Leases only these kinds even with a [`Self::default_handler`]; without
-    /// one, the kinds with a handler are leased.
+    /// With a [`Self::default_handler`], leases only these kinds and the
+    /// kinds that have a handler of their own (without this, any kind).
+    /// Without a default handler this has no effect: the kinds with a
+    /// handler are leased.
     pub fn kinds<I: IntoIterator<Item = S>, S: Into<String>>(mut self, kinds: I) -> Self {
         self.kinds.extend(kinds.into_iter().map(Into::into));
         self
@@ -195,7 +202,13 @@ impl WorkerBuilder {
     }
 
     /// After a job's token fires, how long its handler may take to return
-    /// before it is aborted (dropped).
+    /// before it is aborted (dropped) and its job reported. Dropping stops a
+    /// future at its next await: code that blocks a thread, or a
+    /// `spawn_blocking` it started, runs on after its job was reported.
+    /// For a cancelled job the wait also ends a second (or a tenth of the
+    /// lease) before the lease ends, as far as the heartbeats know it, so
+    /// that the report lands: the server cuts a cancelled job's lease to
+    /// its `--cancel-grace`.
     pub fn cancel_timeout(mut self, d: Duration) -> Self {
         self.cancel_timeout = d;
         self
@@ -247,9 +260,13 @@ impl WorkerBuilder {
         let mut kinds = kinds;
         kinds.sort();
         kinds.dedup();
+        let worker_id = self.worker_id.unwrap_or_else(default_worker_id);
+        // Refused here rather than by the server's first `Lease`, which
+        // would end `run` only once it is running.
+        validate::worker_id(&worker_id).map_err(|e| WorkerError::Config(e.to_string()))?;
         let metadata = CallMetadata::new(self.tenant.as_deref(), self.token.as_deref())?;
         let config = Config {
-            worker_id: self.worker_id.unwrap_or_else(default_worker_id),
+            worker_id,
             queues: self.queues,
             kinds,
             concurrency: self.concurrency,
@@ -273,14 +290,20 @@ impl WorkerBuilder {
 fn default_worker_id() -> String {
     let host = std::env::var("HOSTNAME")
         .ok()
-        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
-        .map(|h| h.trim().to_owned())
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok());
+    worker_id_of(host.as_deref(), std::process::id())
+}
+
+/// `host-pid`, within the server's 1..=128 characters: the host is cut,
+/// the pid, which makes the id unique on its host, is kept whole.
+fn worker_id_of(host: Option<&str>, pid: u32) -> String {
+    let host = host
+        .map(str::trim)
         .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "worker".into());
-    let mut id = format!("{host}-{}", std::process::id());
-    // The server takes 1..=128 characters.
-    id.truncate(128);
-    id
+        .unwrap_or("worker");
+    let pid = format!("-{pid}");
+    let host: String = host.chars().take(128 - pid.len()).collect();
+    host + &pid
 }
 
 #[cfg(test)]
@@ -293,6 +316,29 @@ mod tests {
 
     fn config(b: WorkerBuilder) -> Result<Config, WorkerError> {
         b.build().map(|w| w.config().clone())
+    }
+
+    #[test]
+    fn the_default_worker_id_keeps_its_pid_within_128_characters() {
+        assert_eq!(worker_id_of(Some(" box\n"), 42), "box-42");
+        assert_eq!(worker_id_of(None, 7), "worker-7");
+        assert_eq!(worker_id_of(Some(""), 7), "worker-7");
+        // Cut by characters, not bytes (a cut inside one panicked).
+        let long = worker_id_of(Some(&"\u{e9}".repeat(200)), 4_194_304);
+        assert_eq!(long.chars().count(), 128);
+        assert!(long.ends_with("-4194304"), "{long}");
+    }
+
+    #[tokio::test]
+    async fn a_worker_id_the_server_would_refuse_is_refused_at_build() {
+        let base = || Worker::builder("localhost:1").queue("q").handler("k", ok);
+        assert!(matches!(
+            base().worker_id("").build(),
+            Err(WorkerError::Config(m)) if m.contains("worker_id")
+        ));
+        assert!(base().worker_id("x".repeat(129)).build().is_err());
+        assert!(base().worker_id("\u{e9}".repeat(128)).build().is_ok());
+        assert!(base().build().is_ok(), "the default id is valid");
     }
 
     #[tokio::test]

@@ -6,7 +6,7 @@ use std::time::Duration;
 use tonic::metadata::AsciiMetadataValue;
 use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 
 use super::error::WorkerError;
 use crate::pb::worker_service_client::WorkerServiceClient;
@@ -98,12 +98,21 @@ pub(crate) fn server_uri(addr: &str) -> Result<String, String> {
     }
 }
 
-/// The server's endpoint at `addr` (see [`server_uri`]).
+/// The server's endpoint at `addr` (see [`server_uri`]); an `https://` one
+/// verifies the server against the system's roots. Without TLS set, tonic
+/// fails every call to it as unavailable, and the worker would retry that
+/// for ever.
 pub(crate) fn endpoint(addr: &str) -> Result<Endpoint, WorkerError> {
     let uri =
         server_uri(addr).map_err(|e| WorkerError::Config(format!("invalid server address {e}")))?;
-    Endpoint::from_shared(uri.clone())
-        .map_err(|e| WorkerError::Config(format!("invalid server address {uri:?}: {e}")))
+    let endpoint = Endpoint::from_shared(uri.clone())
+        .map_err(|e| WorkerError::Config(format!("invalid server address {uri:?}: {e}")))?;
+    if !uri.to_ascii_lowercase().starts_with("https://") {
+        return Ok(endpoint);
+    }
+    endpoint
+        .tls_config(ClientTlsConfig::new().with_native_roots())
+        .map_err(|e| WorkerError::Config(format!("TLS for {uri:?}: {e}")))
 }
 
 /// How often an HTTP/2 PING checks the connection, busy or idle.

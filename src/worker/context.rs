@@ -12,10 +12,14 @@ use tokio_util::sync::CancellationToken;
 pub enum CancelReason {
     /// Someone cancelled the job; whatever the handler returns is discarded.
     CancelRequested,
-    /// The lease is gone (expired and reclaimed, or the job ended): another
-    /// worker may already run the job, so stop and write nothing more.
+    /// The lease is gone (expired and reclaimed, or the job ended), or no
+    /// heartbeat reached the server for a whole lease (it was unreachable):
+    /// another worker may already run the job, so stop and write nothing
+    /// more. Whatever the handler returns is dropped, a success too.
     LeaseLost,
-    /// The worker is shutting down and the drain grace period has passed.
+    /// The worker is stopping: the drain's grace period has passed, the
+    /// forced stop of [`Worker::run_until`](super::Worker::run_until) came,
+    /// or the server refused the worker itself (see [`Worker::run`](super::Worker::run)).
     Shutdown,
 }
 
@@ -102,7 +106,9 @@ impl JobContext {
     }
 
     /// Reports progress (clamped to 0..=1) with a short message; it is sent
-    /// with a heartbeat right away and shows on the job and in its events.
+    /// with a heartbeat soon and shows on the job and in its events. Reports
+    /// closer than 200 ms share one heartbeat (the latest wins), and after a
+    /// failed heartbeat none is sent before its retry is due.
     pub fn report_progress(&self, fraction: f64, message: impl Into<String>) {
         let fraction = if fraction.is_nan() {
             0.0

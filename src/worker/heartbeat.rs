@@ -78,9 +78,18 @@ pub(crate) async fn keep_alive(
             Ok(response) => {
                 retry.reset();
                 next = Instant::now() + config.heartbeat_interval;
+                let response = response.into_inner();
                 // After a cancel the server no longer extends the lease: it
-                // ends when it would have, or sooner (the cancel's grace).
-                if response.into_inner().cancel_requested {
+                // ends when it would have, or sooner, at the end of the
+                // cancel's grace, which the answer's expiry tells.
+                if response.cancel_requested {
+                    if let Some(cut) = response
+                        .lease_expires_at
+                        .and_then(|at| ends_in(at, sent_at))
+                    {
+                        held_until = held_until.min(cut);
+                        ctx.set_held_until(held_until);
+                    }
                     if !ctx.is_cancelled() {
                         tracing::info!(job_id = %leased.job_id, "job cancelled; stopping its handler");
                         ctx.cancel(CancelReason::CancelRequested);
@@ -90,7 +99,14 @@ pub(crate) async fn keep_alive(
                     ctx.set_held_until(held_until);
                 }
             }
-            Err(status) if matches!(status.code(), Code::Aborted | Code::NotFound) => {
+            // FAILED_PRECONDITION: the job is no longer running (it ended
+            // or was cancelled meanwhile); retrying cannot change that.
+            Err(status)
+                if matches!(
+                    status.code(),
+                    Code::Aborted | Code::NotFound | Code::FailedPrecondition
+                ) =>
+            {
                 tracing::warn!(job_id = %leased.job_id, message = status.message(), "lease lost; stopping its handler");
                 ctx.cancel(CancelReason::LeaseLost);
                 return;
@@ -115,4 +131,16 @@ pub(crate) async fn keep_alive(
             }
         }
     }
+}
+
+/// When a lease the server says ends at `at` ends on this worker's clock,
+/// counted from when the heartbeat that was told so was sent (the server
+/// read its time after that). The wall clocks of worker and server may
+/// differ: a worker whose clock is ahead gives up on its handler early,
+/// which costs only the handler's last moments, never the report; one
+/// whose clock is behind, late, as if it had not been told.
+fn ends_in(at: pbjson_types::Timestamp, sent_at: Instant) -> Option<Instant> {
+    let at = chrono::DateTime::from_timestamp(at.seconds, u32::try_from(at.nanos).ok()?)?;
+    let left = (at - chrono::Utc::now()).to_std().unwrap_or(Duration::ZERO);
+    Some(sent_at + left)
 }

@@ -42,25 +42,38 @@
 //!   the cost from [`JobContext::add_cost`]. A cancelled job is reported as a
 //!   failure (the server records it as `CANCELLED`); a lost lease reports
 //!   nothing. A panicking handler is a retryable `handler_panicked` failure.
+//!   A result's integers beyond 2^53 go as the nearest double (a payload's
+//!   numbers are doubles). A report the server cannot be reached for is
+//!   retried for up to a lease from its first try, then given up (the job
+//!   comes back when its lease ends).
 //! - **Drain.** When the future given to [`Worker::run`] completes, no more
 //!   leases are taken; running jobs get the grace period to finish, then
 //!   their tokens fire and, `cancel_timeout` later, unfinished handlers are
 //!   dropped. Jobs that did not succeed are handed back as retryable failures
 //!   of class `worker_shutdown` with no retry delay, so another worker picks
 //!   them up at once instead of waiting for the lease to expire (this uses
-//!   up an attempt, as a lease expiry would).
+//!   up an attempt, as a lease expiry would, and on the last one the job
+//!   fails for good). A next job that a report sent before the drain began
+//!   brings back still runs, under the same grace. While the server is
+//!   unreachable the drain also waits for the reports' retries, up to a
+//!   lease; [`Worker::run_until`]'s force gives each one try instead.
+//! - **Dropping** the future of [`Worker::run`] stops everything at once:
+//!   handlers are aborted and nothing is reported, so their jobs come back
+//!   only when their leases end. Let it finish to drain.
 //! - **Reconnects.** The channel connects lazily and re-dials on its own;
 //!   `Lease` failures other than a refusal of the worker itself back off
 //!   exponentially (100 ms doubling to 30 s, with jitter). `Heartbeat` and
 //!   `Complete` retry on `UNAVAILABLE` too. Every retry waits at least the
 //!   delay of a `google.rpc.RetryInfo` the server sent (at most a minute),
-//!   and progress reports do not hurry a failed heartbeat's retry.
+//!   except a last try made before the lease ends, and progress reports do
+//!   not hurry a failed heartbeat's retry.
 //! - **Trace context.** [`JobContext::traceparent`] carries the
 //!   `LeasedJob.traceparent` (empty until the server sends one).
 //!
-//! TLS: pass an [`Endpoint`](tonic::transport::Endpoint) configured with
-//! `tls_config` to [`WorkerBuilder::endpoint`] when tonic is built with a TLS
-//! feature; the builder has no TLS options of its own.
+//! TLS: an `https://` address verifies the server against the system's
+//! roots. For a private CA or a client certificate, pass an
+//! [`Endpoint`](tonic::transport::Endpoint) configured with `tls_config` to
+//! [`WorkerBuilder::endpoint`]; the builder has no TLS options of its own.
 
 mod attempt;
 mod backoff;

@@ -106,7 +106,12 @@ impl Worker {
     /// leases, running jobs get the grace period to finish; after it their
     /// tokens fire ([`CancelReason::Shutdown`](super::CancelReason::Shutdown))
     /// and whatever has not succeeded is handed back as a retryable failure
-    /// of class `worker_shutdown`, to run again at once elsewhere.
+    /// of class `worker_shutdown`, to run again at once elsewhere while it
+    /// has attempts left.
+    ///
+    /// Not cancel-safe: dropping the future (in a `select!` that another
+    /// branch wins, under a timeout) aborts the running handlers and
+    /// reports nothing, so their jobs run again only when their leases end.
     ///
     /// Returns an error only when the server refuses the worker itself
     /// (`INVALID_ARGUMENT`, `UNAUTHENTICATED`, `PERMISSION_DENIED`,
