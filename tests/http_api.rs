@@ -588,6 +588,22 @@ async fn list_filters_and_pages(backend: Backend) {
         .await;
     assert_eq!(ids(&both).len(), 4);
 
+    // view=basic: the same jobs, each without its payload (and result), on
+    // the dead set's plan and on the general one.
+    for query in ["queue=list&state=failed", "queue=list"] {
+        let full = http.get(&format!("/api/v1/jobs?{query}")).await.json();
+        let basic = http.get(&format!("/api/v1/jobs?{query}&view=basic")).await;
+        let mut expected = full["jobs"].as_array().cloned().unwrap_or_default();
+        assert!(expected.iter().all(|job| job.get("payload").is_some()));
+        for job in &mut expected {
+            if let Some(job) = job.as_object_mut() {
+                job.remove("payload");
+                job.remove("result");
+            }
+        }
+        assert_eq!(basic.json()["jobs"], json!(expected), "{query}");
+    }
+
     // Pages of two, following nextPageToken to the end.
     let mut seen = Vec::new();
     let mut token = String::new();

@@ -335,6 +335,11 @@ pub fn list_input(r: pb::ListJobsRequest) -> Result<ListInput> {
         labels: r.labels.into_iter().collect(),
         page_size: r.page_size,
         page_token: r.page_token,
+        with_payloads: match pb::JobView::try_from(r.view) {
+            Ok(pb::JobView::Unspecified | pb::JobView::Full) => true,
+            Ok(pb::JobView::Basic) => false,
+            Err(_) => return Err(ValidationError::new("view", "is not a JobView")),
+        },
     })
 }
 

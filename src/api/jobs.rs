@@ -411,8 +411,15 @@ impl JobService for JobsApi {
             Some(last) if full_page => last.id.to_string(),
             _ => String::new(),
         };
+        let mut jobs: Vec<pb::Job> = jobs.iter().map(convert::job).collect();
+        if !filter.with_payloads {
+            for job in &mut jobs {
+                job.payload = None;
+                job.result = None;
+            }
+        }
         Ok(Response::new(pb::ListJobsResponse {
-            jobs: jobs.iter().map(convert::job).collect(),
+            jobs,
             next_page_token,
         }))
     }

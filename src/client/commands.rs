@@ -453,6 +453,8 @@ pub fn list_request(args: ListArgs) -> Result<ListJobsRequest, ClientError> {
         labels: label_map(args.labels)?,
         page_size: args.limit,
         page_token: args.page_token.unwrap_or_default(),
+        // `--json` prints whole jobs.
+        view: crate::pb::JobView::Full as i32,
     })
 }
 

@@ -365,6 +365,9 @@ pub struct ListFilter {
     pub page_size: u32,
     /// Only jobs older than this id (ids are UUIDv7, so time-ordered).
     pub before: Option<Uuid>,
+    /// Whether the payload and result are read; without, a job's payload
+    /// is JSON null and its result `None`.
+    pub with_payloads: bool,
 }
 
 /// Which jobs a bulk `Retry` touches.

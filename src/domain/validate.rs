@@ -585,6 +585,8 @@ pub struct ListInput {
     pub labels: BTreeMap<String, String>,
     pub page_size: Option<u32>,
     pub page_token: String,
+    /// Whether each job's payload and result are wanted.
+    pub with_payloads: bool,
 }
 
 fn optional<T>(value: &str, check: impl FnOnce(&str) -> Result<T>) -> Result<Option<T>> {
@@ -617,6 +619,7 @@ pub fn list(input: ListInput) -> Result<ListFilter> {
         labels: input.labels,
         page_size,
         before,
+        with_payloads: input.with_payloads,
     })
 }
 

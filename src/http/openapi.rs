@@ -67,7 +67,7 @@ pub const OPERATIONS: &[Operation] = &[
         method: "get",
         path: "/api/v1/jobs",
         rpc: "List",
-        summary: "List jobs, newest first; the dead set is state=failed. state and label may repeat.",
+        summary: "List jobs, newest first; the dead set is state=failed. state and label may repeat. view=basic leaves payloads and results out.",
         body: None,
         response: Some("ListJobsResponse"),
         query: &[
@@ -78,6 +78,7 @@ pub const OPERATIONS: &[Operation] = &[
             "label",
             "page_size",
             "page_token",
+            "view",
         ],
     },
     Operation {
@@ -174,7 +175,8 @@ pub const OPERATIONS: &[Operation] = &[
 
 /// A query parameter as the routes read it: `page_size` and
 /// `after_sequence` are numbers, `state` and `label` may repeat
-/// (`state=failed&state=expired`), the rest are one string each.
+/// (`state=failed&state=expired`), `view` is `basic` or `full`, the rest
+/// are one string each.
 fn query_parameter(name: &str) -> Value {
     let schema = match name {
         "page_size" => json!({
@@ -184,6 +186,7 @@ fn query_parameter(name: &str) -> Value {
         }),
         "after_sequence" => json!({"type": "integer", "minimum": 0}),
         "state" | "label" => json!({"type": "array", "items": {"type": "string"}}),
+        "view" => json!({"type": "string", "enum": ["basic", "full"], "default": "full"}),
         _ => json!({"type": "string"}),
     };
     json!({"name": name, "in": "query", "schema": schema, "style": "form", "explode": true})

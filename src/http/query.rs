@@ -60,6 +60,7 @@ pub fn list(query: Option<&str>) -> Result<pb::ListJobsRequest, ValidationError>
             "kind" => request.kind = value,
             "error_class" => request.error_class = value,
             "page_token" => request.page_token = value,
+            "view" => request.view = job_view(&value)? as i32,
             "page_size" => {
                 let size = value
                     .parse()
@@ -88,6 +89,16 @@ pub fn list(query: Option<&str>) -> Result<pb::ListJobsRequest, ValidationError>
     }
     request.labels = labels;
     Ok(request)
+}
+
+/// `view=basic` or `view=full` (or the enum's names, `JOB_VIEW_BASIC`).
+fn job_view(value: &str) -> Result<pb::JobView, ValidationError> {
+    let name = value.trim().to_ascii_lowercase();
+    match name.strip_prefix("job_view_").unwrap_or(&name) {
+        "basic" => Ok(pb::JobView::Basic),
+        "full" => Ok(pb::JobView::Full),
+        _ => Err(ValidationError::new("view", "must be basic or full")),
+    }
 }
 
 /// `GET /api/v1/dead-set?queue=&kind=&error_class=&state=`: a replay
@@ -186,6 +197,10 @@ mod tests {
             ("k", "e", "t")
         );
         assert_eq!(list(None).expect("empty"), pb::ListJobsRequest::default());
+        let view = |q: &str| list(Some(q)).map(|r| r.view);
+        assert_eq!(view("view=basic"), Ok(pb::JobView::Basic as i32));
+        assert_eq!(view("view=JOB_VIEW_FULL"), Ok(pb::JobView::Full as i32));
+        assert!(view("view=short").is_err_and(|e| e.field == "view"));
     }
 
     #[test]

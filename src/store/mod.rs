@@ -3,6 +3,19 @@
 //! transaction; claims are decided by the database (`FOR UPDATE SKIP LOCKED`
 //! on PostgreSQL, the single writer on SQLite).
 
+/// The columns of `jobs` but `payload` and `result`, for a list without
+/// them ([`crate::domain::ListFilter::with_payloads`]); each store adds its
+/// stand-ins for the two. Defined before the stores, which use it.
+macro_rules! job_columns_but_payloads {
+    () => {
+        "id, tenant, queue, kind, state, error_class, error_message, attempt, max_attempts,
+         priority, idempotency_key, input_hash, labels, progress, cancel_requested,
+         cancel_requested_at, cost_cents, lease_owner, lease_token, lease_expires_at, run_at,
+         deadline, backoff_initial_ms, backoff_max_ms, callback_url, created_at, updated_at,
+         started_at, finished_at, event_seq, max_cost_cents, trace_parent, leased_at, lease_ms"
+    };
+}
+
 mod changes;
 mod db_clock;
 mod error;

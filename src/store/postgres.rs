@@ -306,9 +306,11 @@ macro_rules! replay_filter {
 
 /// `ListJobs`, newest first, with `$extra` spliced into the filter.
 macro_rules! list_statement {
-    ($extra:expr) => {
+    ($columns:expr, $extra:expr) => {
         concat!(
-            "SELECT * FROM jobs
+            "SELECT ",
+            $columns,
+            " FROM jobs
              WHERE tenant = $1
                AND ($2::uuid IS NULL OR id < $2)
                AND ($3::text IS NULL OR queue = $3)
@@ -324,13 +326,31 @@ macro_rules! list_statement {
 }
 
 /// [`list_statement`] for any filter.
-const LIST: &str = list_statement!("");
+const LIST: &str = list_statement!("*", "");
 
 /// [`list_statement`] for a filter of dead-set states only: the condition
 /// is implied by `$5`, but only spelled out can it let a plan (a generic
 /// one too) read the few rows of `jobs_replayable` instead of stepping
 /// through every job of the tenant.
-const LIST_REPLAYABLE: &str = list_statement!(concat!("AND ", in_dead_set!()));
+const LIST_REPLAYABLE: &str = list_statement!("*", concat!("AND ", in_dead_set!()));
+
+/// What a list without payloads reads: not `payload` and `result`, which
+/// can be a MiB each and are stored out of line, so they are not fetched.
+macro_rules! columns_but_payloads {
+    () => {
+        concat!(
+            job_columns_but_payloads!(),
+            ", 'null'::jsonb AS payload, NULL::jsonb AS result"
+        )
+    };
+}
+
+/// [`LIST`] without payloads.
+const LIST_BASIC: &str = list_statement!(columns_but_payloads!(), "");
+
+/// [`LIST_REPLAYABLE`] without payloads.
+const LIST_REPLAYABLE_BASIC: &str =
+    list_statement!(columns_but_payloads!(), concat!("AND ", in_dead_set!()));
 
 /// [`submit_statement`] for a submit without hand-offs.
 const SUBMIT: &str = submit_statement!("NOT MATERIALIZED", "false", "");
@@ -2172,7 +2192,12 @@ impl Store for PgStore {
     async fn list(&self, tenant: &str, filter: &ListFilter) -> StoreResult<Vec<Job>> {
         let states: Vec<&str> = filter.states.iter().map(|s| s.as_str()).collect();
         let replayable = !states.is_empty() && filter.states.iter().all(|s| s.is_replayable());
-        let statement = if replayable { LIST_REPLAYABLE } else { LIST };
+        let statement = match (replayable, filter.with_payloads) {
+            (true, true) => LIST_REPLAYABLE,
+            (true, false) => LIST_REPLAYABLE_BASIC,
+            (false, true) => LIST,
+            (false, false) => LIST_BASIC,
+        };
         let rows = sqlx::query(statement)
             .bind(tenant)
             .bind(filter.before)

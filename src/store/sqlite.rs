@@ -52,6 +52,39 @@ fn migrator(strict: bool) -> sqlx::migrate::Migrator {
 /// Bytes the write-ahead log is cut back to after a checkpoint.
 const WAL_SIZE_LIMIT: u64 = 64 * 1024 * 1024;
 
+/// A page of `ListJobs`, newest first, reading `$columns`. Label
+/// selectors: no selector pair may differ from the job's label.
+macro_rules! list_statement {
+    ($columns:expr) => {
+        concat!(
+            "SELECT ",
+            $columns,
+            " FROM jobs
+             WHERE tenant = ?1
+               AND (?2 IS NULL OR id < ?2)
+               AND (?3 IS NULL OR queue = ?3)
+               AND (?4 IS NULL OR kind = ?4)
+               AND (?5 = '[]' OR state IN (SELECT value FROM json_each(?5)))
+               AND (?6 IS NULL OR error_class = ?6)
+               AND NOT EXISTS (
+                   SELECT 1 FROM json_each(?7) sel
+                   WHERE (SELECT l.value FROM json_each(jobs.labels) l WHERE l.key = sel.key) IS NOT sel.value
+               )
+             ORDER BY id DESC
+             LIMIT ?8"
+        )
+    };
+}
+
+/// A page of `ListJobs`.
+const LIST: &str = list_statement!("*");
+
+/// [`LIST`] without payloads and results, which are not read.
+const LIST_BASIC: &str = list_statement!(concat!(
+    job_columns_but_payloads!(),
+    ", 'null' AS payload, NULL AS result"
+));
+
 fn options(url: &str) -> StoreResult<SqliteConnectOptions> {
     // An in-memory database lives only while a connection to it is open,
     // and the pools close idle and aged connections: once all were closed
@@ -1062,32 +1095,22 @@ impl Store for SqliteStore {
     #[tracing::instrument(name = "store.list", skip_all)]
     async fn list(&self, tenant: &str, filter: &ListFilter) -> StoreResult<Vec<Job>> {
         let states: Vec<&str> = filter.states.iter().map(|s| s.as_str()).collect();
-        // Label selectors: no selector pair may differ from the job's label.
-        let rows = sqlx::query(
-            "SELECT * FROM jobs
-             WHERE tenant = ?1
-               AND (?2 IS NULL OR id < ?2)
-               AND (?3 IS NULL OR queue = ?3)
-               AND (?4 IS NULL OR kind = ?4)
-               AND (?5 = '[]' OR state IN (SELECT value FROM json_each(?5)))
-               AND (?6 IS NULL OR error_class = ?6)
-               AND NOT EXISTS (
-                   SELECT 1 FROM json_each(?7) sel
-                   WHERE (SELECT l.value FROM json_each(jobs.labels) l WHERE l.key = sel.key) IS NOT sel.value
-               )
-             ORDER BY id DESC
-             LIMIT ?8",
-        )
-        .bind(tenant)
-        .bind(filter.before.map(|id| id.to_string()))
-        .bind(filter.queue.as_deref())
-        .bind(filter.kind.as_deref())
-        .bind(to_json(&states))
-        .bind(filter.error_class.as_deref())
-        .bind(to_json(&filter.labels))
-        .bind(i64::from(filter.page_size))
-        .fetch_all(&self.reader)
-        .await?;
+        let statement = if filter.with_payloads {
+            LIST
+        } else {
+            LIST_BASIC
+        };
+        let rows = sqlx::query(statement)
+            .bind(tenant)
+            .bind(filter.before.map(|id| id.to_string()))
+            .bind(filter.queue.as_deref())
+            .bind(filter.kind.as_deref())
+            .bind(to_json(&states))
+            .bind(filter.error_class.as_deref())
+            .bind(to_json(&filter.labels))
+            .bind(i64::from(filter.page_size))
+            .fetch_all(&self.reader)
+            .await?;
         rows.iter().map(job_from_row).collect()
     }
 

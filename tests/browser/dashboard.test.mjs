@@ -135,6 +135,9 @@ async function main() {
     page.on('pageerror', (err) => errors.push(err.message));
     const external = [];
     page.on('request', (r) => { if (!r.url().startsWith(base)) external.push(r.url()); });
+    // The lists show no payload, so they ask for none (view=basic).
+    const lists = [];
+    page.on('request', (r) => { if (r.url().includes('/api/v1/jobs?')) lists.push(r.url()); });
 
     // Without a token the page asks for one, then shows the queues.
     await page.goto(base + '/');
@@ -214,7 +217,21 @@ async function main() {
     const attempt = await page.locator('#attempts tbody tr').first().textContent();
     check(attempt.includes('failed') && attempt.includes('command_'), 'attempt row shows the failure: ' + attempt);
     check((await page.locator('#job-retry').isEnabled()), 'a failed job can be replayed');
+    // Its stream has ended with the job: the badge says so (CSS once overrode `hidden`).
+    await page.locator('#timeline-live').waitFor({ state: 'hidden' });
     await page.screenshot({ path: join(SHOTS, 'dashboard-job.png'), fullPage: true });
+
+    // A job due later says when; bidirectional controls in its payload show as escapes.
+    const later = await api('POST', '/jobs', { queue: 'later', kind: 'k', payload: { note: 'abc\u202Edef' }, runAt: new Date(Date.now() + 3600_000).toISOString() });
+    await page.goto(base + '/#/job/' + later.id);
+    await page.locator('#job-fields [data-field="state"]', { hasText: 'queued, due ' }).waitFor();
+    const payload = await page.locator('#job-fields [data-field="payload"]').textContent();
+    check(payload.includes('abc\\u202Edef'), 'the payload shows its RTL override as an escape: ' + payload);
+    // A job that cannot be read leaves nothing of the one shown before.
+    await page.goto(base + '/#/job/00000000-0000-7000-8000-000000000000');
+    await page.locator('#message', { hasText: 'NOT_FOUND' }).waitFor();
+    check((await page.locator('#job-fields dd').count()) === 0, 'no fields of the previous job');
+    check(!(await page.locator('#job-retry').isEnabled()), 'nothing to replay');
 
     // The dead set grouped by error class; count with a dry run, then replay.
     await page.goto(base + '/#/dead?queue=llm');
@@ -247,6 +264,7 @@ async function main() {
     await page.waitForFunction(() => document.body.dataset.ready === 'queues');
     await page.screenshot({ path: join(SHOTS, 'dashboard-phone.png'), fullPage: false });
 
+    check(lists.length > 0 && lists.every((u) => u.includes('view=basic')), 'lists ask for no payloads: ' + lists.filter((u) => !u.includes('view=basic')).join(', '));
     check(errors.length === 0, 'no script errors: ' + errors.join('; '));
     check(external.length === 0, 'nothing fetched from elsewhere: ' + external.join(', '));
   } finally {

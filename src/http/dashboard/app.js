@@ -34,7 +34,10 @@ async function call(method, path, body) {
   const text = await response.text();
   const data = text ? JSON.parse(text) : {};
   if (!response.ok) {
-    if (response.status === 401) showTokenForm('This server needs a bearer token (' + data.message + ').');
+    if (response.status === 401) {
+      showTokenForm('This server needs a bearer token (' + data.message + ').');
+      clearViews();
+    }
     throw new ApiError(response.status, data);
   }
   return data;
@@ -43,11 +46,26 @@ async function call(method, path, body) {
 function say(text, isError) {
   const box = $('#message');
   box.classList.toggle('error', !!isError);
-  box.textContent = text;
+  box.textContent = shown(text);
+  viewError = '';
 }
 
 function fail(err) {
   say((err.code ? err.code + ': ' : '') + err.message, true);
+}
+
+// The message of the last view that failed to load, while it is shown:
+// a later load of the view that works takes it away (an action's message
+// stays).
+let viewError = '';
+
+function failView(err) {
+  fail(err);
+  viewError = $('#message').textContent;
+}
+
+function viewLoaded() {
+  if (viewError && $('#message').textContent === viewError) say('');
 }
 
 function showTokenForm(reason) {
@@ -62,16 +80,22 @@ function showTokenForm(reason) {
 const short = (state) => (state || '').replace(/^JOB_STATE_|^JOB_EVENT_TYPE_|^BREAKER_STATE_/, '');
 const num = (v) => Number(v || 0);
 
+// Bidirectional controls (U+202A-E, U+2066-9, U+200E-F, U+061C) in a
+// payload or a message would reorder the text around them, so that what
+// the page shows is not what the job holds: they are shown as escapes.
+const BIDI = /[\u061C\u200E\u200F\u202A-\u202E\u2066-\u2069]/g;
+const shown = (v) => String(v).replace(BIDI, (c) => '\\u' + c.charCodeAt(0).toString(16).toUpperCase().padStart(4, '0'));
+
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) {
     if (v === undefined || v === null) continue;
     if (k === 'class') node.className = v;
-    else if (k === 'text') node.textContent = v;
+    else if (k === 'text') node.textContent = shown(v);
     else if (k.startsWith('on')) node.addEventListener(k.slice(2), v);
     else node.setAttribute(k, v);
   }
-  for (const c of children) node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  for (const c of children) node.append(c instanceof Node ? c : document.createTextNode(shown(c)));
   return node;
 }
 
@@ -157,8 +181,9 @@ function breakerText(breakers) {
   return open.map((b) => b.kind + ': ' + short(b.state).toLowerCase().replace('_', '-')).join(', ');
 }
 
-async function renderQueues() {
+async function renderQueues(stale) {
   const stats = await call('GET', '/stats');
+  if (stale()) return;
   const rows = (stats.queues || []).map((q) => {
     const counts = {};
     for (const c of q.counts || []) counts[short(c.state)] = num(c.count);
@@ -238,12 +263,15 @@ function jobRow(job) {
 // is rendered afresh (a new filter, another view).
 let morePages = false;
 
-async function renderJobs(params, append) {
+async function renderJobs(params, append, stale) {
   morePages = append;
   const query = new URLSearchParams(params);
   if (append && nextPage) query.set('page_token', nextPage);
   query.set('page_size', '50');
+  // The table shows no payload: lists of large ones stay small.
+  query.set('view', 'basic');
   const page = await call('GET', '/jobs?' + query);
+  if (stale()) return;
   const rows = (page.jobs || []).map(jobRow);
   if (append) $('#jobs').tBodies[0].append(...rows);
   else replaceRows($('#jobs'), rows, 'No job matches.');
@@ -261,14 +289,27 @@ function stopStream() {
   $('#timeline-live').hidden = true;
 }
 
+// A queued job's state says when it is due, if that is still ahead
+// (scheduled, or waiting out a retry's backoff).
+function stateText(job) {
+  const state = short(job.state).toLowerCase();
+  const due = job.runAt && new Date(job.runAt);
+  if (state === 'queued' && due > new Date()) return 'queued, due ' + when(job.runAt);
+  if (state === 'running' && job.cancelRequested) return 'running, cancel requested';
+  return state;
+}
+
 function renderJobFields(job) {
   const fields = [
-    ['Id', job.id], ['Queue', job.queue], ['Kind', job.kind], ['State', short(job.state).toLowerCase()],
+    ['Id', job.id], ['Tenant', job.tenant], ['Queue', job.queue], ['Kind', job.kind], ['State', stateText(job)],
     ['Attempt', (job.attempt || 0) + ' of ' + (job.maxAttempts || 0)],
+    ['Progress', job.progress ? Math.round(num(job.progress) * 100) + ' %' : ''],
     ['Error', job.error ? job.error.class + ': ' + (job.error.message || '') : ''],
     ['Cost (¢)', num(job.costCents)], ['Priority', job.priority || 0],
     ['Labels', Object.entries(job.labels || {}).map(([k, v]) => k + '=' + v).join(', ')],
-    ['Worker', job.leaseOwner || ''], ['Created', when(job.createdAt)], ['Started', when(job.startedAt)],
+    ['Idempotency key', job.idempotencyKey || ''],
+    ['Worker', job.leaseOwner || ''], ['Created', when(job.createdAt)], ['Run at', when(job.runAt)],
+    ['Deadline', when(job.deadline)], ['Started', when(job.startedAt)],
     ['Finished', when(job.finishedAt)], ['Payload', JSON.stringify(job.payload)],
     ['Result', job.result === undefined ? '' : JSON.stringify(job.result)],
   ];
@@ -361,15 +402,26 @@ async function followEvents(id, onEvent) {
     } catch (err) {
       if (controller.signal.aborted) return;
       fail(err);
-      if (err instanceof ApiError && err.status < 500) return;
+      if (err instanceof ApiError && err.status < 500) break;
       await new Promise((r) => setTimeout(r, 2000));
     }
   }
   if (stream === controller) $('#timeline-live').hidden = true;
 }
 
-async function renderJob(id) {
+function clearJob() {
+  $('#job-title').textContent = 'Job';
+  $('#job-fields').replaceChildren();
+  $('#timeline').replaceChildren();
+  replaceRows($('#attempts'), [], '');
+  $('#job-cancel').disabled = true;
+  $('#job-retry').disabled = true;
+}
+
+async function renderJob(id, stale) {
+  clearJob();
   const job = await call('GET', '/jobs/' + encodeURIComponent(id));
+  if (stale()) return;
   renderJobFields(job);
   $('#timeline').replaceChildren();
   const events = [];
@@ -418,16 +470,21 @@ function deadFilter(params) {
 
 // The groups are counted by the server (up to 100,000 jobs), so that the
 // failed jobs themselves are not read out on every refresh.
-async function renderDead(params) {
+async function renderDead(params, stale) {
   const filters = new URLSearchParams();
   for (const k of ['queue', 'kind', 'error_class']) if (params.get(k)) filters.set(k, params.get(k));
   const listed = new URLSearchParams(filters);
   listed.set('state', 'failed');
   listed.set('page_size', String(DEAD_LISTED));
-  const [grouped, page] = await Promise.all([
+  listed.set('view', 'basic');
+  // Each part shows what it could read; the first failure is then reported.
+  const [groupedRead, pageRead] = await Promise.allSettled([
     call('GET', '/dead-set?' + filters),
     call('GET', '/jobs?' + listed),
   ]);
+  if (stale()) return;
+  const grouped = groupedRead.status === 'fulfilled' ? groupedRead.value : { groups: [] };
+  const page = pageRead.status === 'fulfilled' ? pageRead.value : { jobs: [] };
   const groups = new Map();
   for (const row of grouped.groups || []) {
     const cls = row.error_class || '(none)';
@@ -450,13 +507,17 @@ async function renderDead(params) {
         type: 'button', 'aria-label': 'Replay the ' + g.cls + ' jobs', text: 'Replay',
         onclick: () => replayMatching(filter),
       })));
-  }), 'The dead set is empty.');
+  }), groupedRead.status === 'fulfilled' ? 'The dead set is empty.' : 'Not loaded.');
   replaceRows($('#dead-jobs'), (page.jobs || []).map((job) => el('tr', { 'data-job': job.id },
     el('td', {}, jobLink(job.id)), cell(job.queue), cell(job.kind),
     cell(job.error ? job.error.class + ': ' + (job.error.message || '') : ''),
     cell(job.attempt || 0, 'num'), cell(num(job.costCents), 'num'), cell(when(job.finishedAt)))),
-  'No failed job matches.');
+  pageRead.status === 'fulfilled' ? 'No failed job matches.' : 'Not loaded.');
+  for (const read of [groupedRead, pageRead]) if (read.status === 'rejected') throw read.reason;
 }
+
+// The most jobs one bulk replay takes (the server's cap).
+const REPLAY_MAX = 10000;
 
 async function countMatching(filter) {
   const answer = await call('POST', '/jobs:retry', { filter, dryRun: true });
@@ -478,8 +539,11 @@ async function replayMatching(filter) {
   }
   // The confirmed count is the limit: jobs failing after the count are
   // not replayed without being asked about (the server caps it at 10,000).
-  await act('Replay ' + matched + ' failed job' + (matched === 1 ? '' : 's') + describe(filter) + '?',
-    () => call('POST', '/jobs:retry', { filter, limit: Math.min(matched, 10000) }),
+  const question = matched > REPLAY_MAX
+    ? 'Replay ' + REPLAY_MAX + ' of the ' + matched + ' failed jobs' + describe(filter) + '? One replay takes at most ' + REPLAY_MAX + '; replay again for the rest.'
+    : 'Replay ' + matched + ' failed job' + (matched === 1 ? '' : 's') + describe(filter) + '?';
+  await act(question,
+    () => call('POST', '/jobs:retry', { filter, limit: Math.min(matched, REPLAY_MAX) }),
     (r) => 'Replayed ' + (r.retried || []).length + ' of ' + num(r.matched) + ' matching jobs; they are queued again.');
 }
 
@@ -492,13 +556,32 @@ function describe(filter) {
 
 let timer = null;
 let rendering = false;
+// Bumped by each render and by "Next page": an answer that comes back after
+// the page moved on (another filter, another view, a page appended) is
+// dropped rather than put over what is shown now.
+let generation = 0;
+
+function newGeneration() {
+  const mine = ++generation;
+  return () => mine !== generation;
+}
 
 async function render() {
   rendering = true;
   try { await renderView(); } finally { rendering = false; }
 }
 
+// Empties every view: what one token was shown is not left for the next.
+function clearViews() {
+  newGeneration();
+  stopStream();
+  for (const id of ['#queues', '#workers', '#jobs', '#dead-groups', '#dead-jobs']) replaceRows($(id), [], '');
+  $('#jobs-more').hidden = true;
+  clearJob();
+}
+
 async function renderView() {
+  const stale = newGeneration();
   const { path, params } = routeParams();
   let view = 'queues';
   if (path.startsWith('/jobs')) view = 'jobs';
@@ -510,17 +593,22 @@ async function renderView() {
     else link.removeAttribute('aria-current');
   }
   try {
-    if (view === 'queues') await renderQueues();
-    else if (view === 'jobs') { fillForm($('#job-filter'), params); await renderJobs(params, false); }
-    else if (view === 'dead') { fillForm($('#dead-filter'), params); await renderDead(params); }
+    if (view === 'queues') await renderQueues(stale);
+    else if (view === 'jobs') { fillForm($('#job-filter'), params); await renderJobs(params, false, stale); }
+    else if (view === 'dead') { fillForm($('#dead-filter'), params); await renderDead(params, stale); }
     else if (view === 'job' && (!stream || stream.jobId !== path)) {
       stopStream();
-      await renderJob(decodeURIComponent(path.slice('/job/'.length)));
+      await renderJob(decodeURIComponent(path.slice('/job/'.length)), stale);
       if (stream) stream.jobId = path;
     }
+    if (stale()) return;
+    viewLoaded();
     document.body.dataset.ready = view;
   } catch (err) {
-    fail(err);
+    if (stale()) return;
+    // Rows of another filter or job must not stand under its error.
+    if (view === 'jobs') { replaceRows($('#jobs'), [], 'Not loaded.'); $('#jobs-more').hidden = true; }
+    failView(err);
   }
 }
 
@@ -533,7 +621,8 @@ function schedule() {
       // A job page is live through its event stream; forms are not reset while typed in.
       // One render at a time: a slow one is not joined by the next tick's.
       const paging = path.startsWith('/jobs') && morePages;
-      if (!rendering && !paging && !path.startsWith('/job/') && !document.querySelector('dialog[open]') && !document.activeElement.closest('form')) render();
+      const typing = document.activeElement.matches('form input:not([type=checkbox]), form select, form textarea');
+      if (!rendering && !paging && !path.startsWith('/job/') && !document.querySelector('dialog[open]') && !typing) render();
     }, REFRESH_MS);
   }
 }
@@ -569,7 +658,9 @@ document.addEventListener('DOMContentLoaded', () => {
     sessionStorage.removeItem('intray.tenant');
     $('#token').value = '';
     $('#tenant').value = '';
+    clearViews();
     say('Token forgotten.');
+    render();
   });
   $('#job-filter').addEventListener('submit', (e) => { e.preventDefault(); navigate('jobs', e.target); });
   $('#dead-filter').addEventListener('submit', (e) => { e.preventDefault(); navigate('dead', e.target); });
@@ -581,7 +672,7 @@ document.addEventListener('DOMContentLoaded', () => {
     } catch (err) { fail(err); }
   });
   $('#dead-replay').addEventListener('click', () => replayMatching(deadFilter(formQuery($('#dead-filter')))));
-  $('#jobs-more').addEventListener('click', () => renderJobs(routeParams().params, true).catch(fail));
+  $('#jobs-more').addEventListener('click', () => renderJobs(routeParams().params, true, newGeneration()).catch(fail));
   $('#live').addEventListener('change', schedule);
   window.addEventListener('hashchange', () => {
     say('');
