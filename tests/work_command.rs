@@ -343,13 +343,7 @@ async fn work_a_command_stopped_from_outside_runs_again(backend: Backend) {
     );
     let events = watch_all(&mut jobs, &job.id, 0, LONG).await;
     assert!(
-        events
-            .iter()
-            .any(|e| e.r#type == pb::JobEventType::RetryScheduled as i32
-                && e.detail
-                    .as_ref()
-                    .map(|d| serde_json::to_string(d).unwrap_or_default())
-                    .is_some_and(|d| d.contains("command_interrupted"))),
+        has_retry_mentioning(&events, "command_interrupted"),
         "a retry of class command_interrupted: {:?}",
         event_types(&events)
     );

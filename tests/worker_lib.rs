@@ -71,6 +71,15 @@ async fn within_time<T>(d: Duration, what: &str, fut: impl std::future::Future<O
     common::within(d, what, fut).await
 }
 
+/// Says when a handler's future is dropped.
+struct DropSignal(mpsc::UnboundedSender<()>);
+
+impl Drop for DropSignal {
+    fn drop(&mut self) {
+        let _ = self.0.send(());
+    }
+}
+
 fn builder(server: &TestServer) -> WorkerBuilder {
     builder_at(&server.url())
 }
@@ -451,13 +460,6 @@ async fn a_handler_deaf_to_a_cancel_is_dropped_after_cancel_timeout(backend: Bac
     .await;
     let mut jobs = server.jobs_client(TENANT);
     let (dropped_tx, mut dropped) = mpsc::unbounded_channel::<()>();
-    /// Says when the handler's future is dropped.
-    struct Guard(mpsc::UnboundedSender<()>);
-    impl Drop for Guard {
-        fn drop(&mut self) {
-            let _ = self.0.send(());
-        }
-    }
     let worker = Running::start(
         builder(&server)
             .queue("q")
@@ -465,7 +467,7 @@ async fn a_handler_deaf_to_a_cancel_is_dropped_after_cancel_timeout(backend: Bac
             .heartbeat_interval(Duration::from_secs(1))
             .cancel_timeout(Duration::from_millis(300))
             .handler("deaf", move |_: Job, _: JobContext| {
-                let guard = Guard(dropped_tx.clone());
+                let guard = DropSignal(dropped_tx.clone());
                 async move {
                     let _guard = guard;
                     tokio::time::sleep(Duration::from_secs(600)).await;
@@ -501,33 +503,10 @@ async fn a_handler_deaf_to_a_cancel_is_dropped_after_cancel_timeout(backend: Bac
 /// CANCELLED with the cost the handler added. Reporting at the timeout, it
 /// was refused (the lease had ended) and the cost was lost.
 async fn a_deaf_handlers_report_lands_within_a_short_lease(backend: Backend) {
-    let server = TestServer::start_with(backend, |s| {
-        s.cancel_grace = Duration::from_secs(30);
+    deaf_handlers_report_lands(backend, Duration::from_secs(30), |b| {
+        b.lease_duration(Duration::from_secs(3))
     })
     .await;
-    let mut jobs = server.jobs_client(TENANT);
-    let worker = Running::start(
-        builder(&server)
-            .queue("q")
-            .lease_duration(Duration::from_secs(3))
-            .handler("deaf", |_: Job, ctx: JobContext| async move {
-                ctx.add_cost(7);
-                tokio::time::sleep(Duration::from_secs(600)).await;
-                Ok(Value::Null)
-            }),
-    );
-    let job = submit(&mut jobs, "q", "deaf", json!({})).await;
-    wait_for_state(&mut jobs, &job.id, St::Running, LONG).await;
-    jobs.cancel(pb::CancelJobRequest {
-        id: job.id.clone(),
-        reason: "test".into(),
-    })
-    .await
-    .expect("Cancel");
-    let done = wait_for_state(&mut jobs, &job.id, St::Cancelled, LONG).await;
-    assert_eq!(done.cost_cents, 7, "the report landed: {done:?}");
-    worker.stop(LONG).await.expect("worker stops cleanly");
-    server.stop().await;
 }
 
 /// A cancel cuts the lease to the server's cancel grace (2 s here), far
@@ -537,23 +516,33 @@ async fn a_deaf_handlers_report_lands_within_a_short_lease(backend: Backend) {
 /// added, to land. Going by its own lease and timeout, it reported after the
 /// grace, was refused, and the cost was lost.
 async fn a_deaf_handlers_report_lands_within_the_cancel_grace(backend: Backend) {
-    let server = TestServer::start_with(backend, |s| {
-        s.cancel_grace = Duration::from_secs(2);
-    })
-    .await;
-    let mut jobs = server.jobs_client(TENANT);
-    let worker = Running::start(
-        builder(&server)
-            .queue("q")
-            .lease_duration(Duration::from_secs(30))
+    deaf_handlers_report_lands(backend, Duration::from_secs(2), |b| {
+        b.lease_duration(Duration::from_secs(30))
             .heartbeat_interval(Duration::from_millis(500))
             .cancel_timeout(Duration::from_secs(10))
-            .handler("deaf", |_: Job, ctx: JobContext| async move {
-                ctx.add_cost(7);
-                tokio::time::sleep(Duration::from_secs(600)).await;
-                Ok(Value::Null)
-            }),
-    );
+    })
+    .await;
+}
+
+/// Cancels a running job whose handler adds a cost of 7 and then ignores
+/// its token, on a server with `cancel_grace` and a worker set up by
+/// `settings`: the job must end CANCELLED with the cost, so the report
+/// landed before the lease ended.
+async fn deaf_handlers_report_lands(
+    backend: Backend,
+    cancel_grace: Duration,
+    settings: impl FnOnce(WorkerBuilder) -> WorkerBuilder,
+) {
+    let server = TestServer::start_with(backend, |s| s.cancel_grace = cancel_grace).await;
+    let mut jobs = server.jobs_client(TENANT);
+    let worker = Running::start(settings(builder(&server).queue("q")).handler(
+        "deaf",
+        |_: Job, ctx: JobContext| async move {
+            ctx.add_cost(7);
+            tokio::time::sleep(Duration::from_secs(600)).await;
+            Ok(Value::Null)
+        },
+    ));
     let job = submit(&mut jobs, "q", "deaf", json!({})).await;
     wait_for_state(&mut jobs, &job.id, St::Running, LONG).await;
     jobs.cancel(pb::CancelJobRequest {
@@ -575,17 +564,10 @@ async fn dropping_the_worker_stops_its_handlers(backend: Backend) {
     let server = TestServer::start(backend).await;
     let mut jobs = server.jobs_client(TENANT);
     let (dropped_tx, mut dropped) = mpsc::unbounded_channel::<()>();
-    /// Says when the handler's future is dropped.
-    struct Guard(mpsc::UnboundedSender<()>);
-    impl Drop for Guard {
-        fn drop(&mut self) {
-            let _ = self.0.send(());
-        }
-    }
     let worker = Running::start(builder(&server).queue("q").handler(
         "long",
         move |_: Job, _: JobContext| {
-            let guard = Guard(dropped_tx.clone());
+            let guard = DropSignal(dropped_tx.clone());
             async move {
                 let _guard = guard;
                 tokio::time::sleep(Duration::from_secs(600)).await;
@@ -671,12 +653,7 @@ async fn error_then_retry(backend: Backend) {
     assert_eq!(job.attempt, 2, "a panic before the first await too");
     let events = watch_all(&mut jobs, &panics_early.id, 0, LONG).await;
     assert!(
-        events
-            .iter()
-            .any(|e| e.r#type == pb::JobEventType::RetryScheduled as i32
-                && e.detail
-                    .as_ref()
-                    .is_some_and(|d| format!("{d:?}").contains("handler_panicked"))),
+        has_retry_mentioning(&events, "handler_panicked"),
         "{events:?}"
     );
 

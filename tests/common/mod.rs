@@ -511,6 +511,18 @@ pub fn event_types(events: &[pb::JobEvent]) -> Vec<JobEventType> {
     events.iter().map(event_type).collect()
 }
 
+/// Whether `events` hold a RETRY_SCHEDULED whose detail mentions `text`
+/// (an error class, say).
+pub fn has_retry_mentioning(events: &[pb::JobEvent], text: &str) -> bool {
+    events.iter().any(|e| {
+        e.r#type == JobEventType::RetryScheduled as i32
+            && e.detail
+                .as_ref()
+                .map(|d| serde_json::to_string(d).unwrap_or_default())
+                .is_some_and(|d| d.contains(text))
+    })
+}
+
 pub fn sequences(events: &[pb::JobEvent]) -> Vec<u64> {
     events.iter().map(|e| e.sequence).collect()
 }
