@@ -2568,6 +2568,23 @@ async fn list_filters_and_pagination(backend: Backend) {
     assert_eq!(unique.len(), 25, "no duplicates across pages");
     let newest_first: Vec<String> = submitted.iter().rev().cloned().collect();
     assert_eq!(listed, newest_first, "newest first");
+
+    // A page that ends the list exactly says so: no token to an empty page.
+    let exact = jobs
+        .list(pb::ListJobsRequest {
+            queue: "page".into(),
+            page_size: Some(5),
+            page_token: pages[1].next_page_token.clone(),
+            ..list_req()
+        })
+        .await
+        .expect("List the last five")
+        .into_inner();
+    assert_eq!(exact.jobs.len(), 5, "the last page is full");
+    assert!(
+        exact.next_page_token.is_empty(),
+        "a full page that ends the list has no next token"
+    );
     server.stop().await;
 }
 

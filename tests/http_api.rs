@@ -1159,6 +1159,42 @@ async fn authentication_and_roles(backend: Backend) {
     );
     let seen = admin.get(&format!("/api/v1/jobs/{id}")).await;
     assert_eq!(seen.status, 200, "an admin acts for the tenant it names");
+
+    // whoami tells each caller what it may call, so the dashboard offers
+    // no act that would be refused.
+    let me = producer
+        .clone()
+        .with("x-intray-tenant", "globex")
+        .get("/api/v1/whoami")
+        .await;
+    assert_eq!(me.status, 200);
+    assert_eq!(
+        me.json(),
+        json!({
+            "tenant": "acme",
+            "roles": ["producer"],
+            "methods": ["Submit", "SubmitBatch", "Get", "Cancel", "WatchJob", "List", "Stats"],
+        }),
+        "a producer's own tenant, its header ignored, and no operator's act"
+    );
+    let me = admin.get("/api/v1/whoami").await.json();
+    assert_eq!(me["tenant"], "acme", "an admin's named tenant");
+    assert_eq!(me["roles"], json!(["admin"]));
+    assert_eq!(me["methods"].as_array().map(Vec::len), Some(10), "{me}");
+    let me = worker.get("/api/v1/whoami").await.json();
+    assert_eq!(
+        (&me["roles"], &me["methods"]),
+        (&json!(["worker"]), &json!([])),
+        "a worker calls none of the JSON API"
+    );
+    anonymous
+        .get("/api/v1/whoami")
+        .await
+        .expect_error(401, "UNAUTHENTICATED");
+    producer
+        .get("/api/v1/whoami?x=1")
+        .await
+        .expect_error(400, "INVALID_ARGUMENT");
     // The spec and the dashboard need no token (they hold no data).
     assert_eq!(anonymous.get("/api/v1/openapi.json").await.status, 200);
     assert_eq!(anonymous.get("/").await.status, 200);
@@ -1272,6 +1308,7 @@ async fn openapi_lists_every_route_the_router_serves(backend: Backend) {
         "POST /api/v1/queues/{queue}:pause",
         "POST /api/v1/queues/{queue}:resume",
         "GET /api/v1/openapi.json",
+        "GET /api/v1/whoami",
     ]
     .map(String::from)
     .to_vec();
@@ -1313,6 +1350,19 @@ async fn dashboard_and_metrics_are_served(backend: Backend) {
         assert_eq!(reply.status, 200, "{asset}");
         assert!(!reply.body.is_empty(), "{asset}");
     }
+    // Without a token file the dashboard's caller may do everything.
+    let me = http
+        .clone()
+        .with("x-intray-tenant", "t1")
+        .get("/api/v1/whoami")
+        .await
+        .json();
+    assert_eq!(me["tenant"], "t1");
+    assert_eq!(
+        me["roles"],
+        json!(["producer", "worker", "admin", "metrics"])
+    );
+    assert_eq!(me["methods"].as_array().map(Vec::len), Some(10), "{me}");
     // API calls are counted under their gRPC method, refusals too.
     submit_http(&http, "m", "k").await;
     http.get("/api/v1/jobs/00000000-0000-4000-8000-000000000000")

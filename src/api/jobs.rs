@@ -404,11 +404,16 @@ impl JobService for JobsApi {
         request: Request<pb::ListJobsRequest>,
     ) -> Result<Response<pb::ListJobsResponse>, Status> {
         let tenant = tenant_of(&request)?;
-        let filter = validate::list(convert::list_input(request.into_inner())?)?;
-        let jobs = self.ctx.store.list(&tenant, &filter).await?;
-        let full_page = jobs.len() == filter.page_size as usize;
+        let mut filter = validate::list(convert::list_input(request.into_inner())?)?;
+        let page = filter.page_size as usize;
+        // One job past the page tells whether another page exists, so a
+        // page that ends the list carries no token to an empty next page.
+        filter.page_size = filter.page_size.saturating_add(1);
+        let mut jobs = self.ctx.store.list(&tenant, &filter).await?;
+        let more = jobs.len() > page;
+        jobs.truncate(page);
         let next_page_token = match jobs.last() {
-            Some(last) if full_page => last.id.to_string(),
+            Some(last) if more => last.id.to_string(),
             _ => String::new(),
         };
         let mut jobs: Vec<pb::Job> = jobs.iter().map(convert::job).collect();

@@ -88,24 +88,31 @@ pub fn authorize(
     if access == Access::Public {
         return Ok(None);
     }
+    let identity = identify(source, headers)?;
+    if !identity.roles.allow(access) {
+        return Err(AuthError::Forbidden {
+            method: path.trim_start_matches('/').to_owned(),
+            roles: identity.roles,
+        });
+    }
+    Ok(Some(identity))
+}
+
+/// Who the caller of `headers` is, whatever it means to call: every role
+/// in open mode, else its token's.
+pub fn identify(source: &TokenSource, headers: &HeaderMap) -> Result<Identity, AuthError> {
     if source.is_open() {
         let tenant = tenant_header(headers)?.unwrap_or_else(|| DEFAULT_TENANT.to_owned());
-        return Ok(Some(Identity {
+        return Ok(Identity {
             principal: format!("open:{tenant}"),
             tenant,
             roles: Roles::all(),
             token: None,
-        }));
+        });
     }
     let token = bearer(headers)?;
     let table = source.current();
     let entry = table.find(token).ok_or(AuthError::UnknownToken)?;
-    if !entry.roles.allow(access) {
-        return Err(AuthError::Forbidden {
-            method: path.trim_start_matches('/').to_owned(),
-            roles: entry.roles,
-        });
-    }
     // Only an admin may pick the tenant; for anyone else the header is
     // ignored (not refused), so a client that always sends it still works.
     let tenant = if entry.roles.contains(Role::Admin) {
@@ -113,18 +120,14 @@ pub fn authorize(
     } else {
         entry.tenant.clone()
     };
-    Ok(Some(Identity {
+    Ok(Identity {
         tenant,
         roles: entry.roles,
         principal: format!("token:{}", entry.digest.short()),
         token: Some(entry.digest),
-    }))
+    })
 }
 
-/// Whether `headers` carry a known token (anyone in open mode), whatever
-/// its roles: the check that can run before a request's body is read, so
-/// that an unknown caller costs no parsing. [`authorize`] still decides the
-/// method.
 pub fn authenticate(source: &TokenSource, headers: &HeaderMap) -> Result<(), AuthError> {
     if source.is_open() {
         return Ok(());

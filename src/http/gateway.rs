@@ -16,9 +16,10 @@ use tokio::sync::Semaphore;
 use tonic::{Code, Request, Response, Status};
 
 use crate::api::JobsApi;
+use crate::auth::Identity;
 use crate::auth::TokenSource;
-use crate::auth::layer::{authenticate, authorize};
-use crate::auth::role::METRICS_SCRAPE;
+use crate::auth::layer::{authenticate, authorize, identify};
+use crate::auth::role::{METRICS_SCRAPE, access_for};
 use crate::pb::job_service_server::JobService;
 use crate::protect::{ProtectError, RateLimiter};
 use crate::telemetry::rpc::{CallRecord, CallTrace};
@@ -41,6 +42,26 @@ pub enum Method {
 }
 
 impl Method {
+    /// Every method, in the order `GET /api/v1/whoami` lists them.
+    pub const ALL: [Method; 10] = [
+        Method::Submit,
+        Method::SubmitBatch,
+        Method::Get,
+        Method::Cancel,
+        Method::WatchJob,
+        Method::List,
+        Method::Retry,
+        Method::Stats,
+        Method::PauseQueue,
+        Method::ResumeQueue,
+    ];
+
+    /// The method's name, the last segment of its path.
+    pub fn name(self) -> &'static str {
+        let path = self.path();
+        path.rsplit_once('/').map_or(path, |(_, name)| name)
+    }
+
     /// The gRPC method path, the key of the role table.
     pub fn path(self) -> &'static str {
         match self {
@@ -104,6 +125,17 @@ impl Gateway {
             limits,
             metrics,
         }
+    }
+
+    /// Who the caller of `headers` is and which methods its roles allow;
+    /// a reload may change either before its next call.
+    pub fn identify(&self, headers: &HeaderMap) -> Result<(Identity, Vec<Method>), Status> {
+        let identity = identify(&self.tokens, headers)?;
+        let allowed = Method::ALL
+            .into_iter()
+            .filter(|m| identity.roles.allow(access_for(m.path())))
+            .collect();
+        Ok((identity, allowed))
     }
 
     /// Whether `headers` carry a known token (anyone in open mode): checked

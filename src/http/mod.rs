@@ -30,6 +30,7 @@ mod nulls;
 mod openapi;
 mod query;
 mod sse;
+mod whoami;
 
 pub use gateway::{Gateway, Limits};
 pub use hooks::Ingress;
@@ -82,6 +83,7 @@ pub fn router(
         .route("/api/v1/stats", get(jobs::stats))
         .route("/api/v1/dead-set", get(jobs::dead_set))
         .route("/api/v1/queues/{queue}", post(jobs::post_on_queue))
+        .route(whoami::PATH, get(whoami::serve))
         .route(openapi::PATH, get(openapi::serve))
         .route("/api/v1/{*rest}", axum::routing::any(jobs::no_route))
         // The API's own prefix, and other versions of it, answer like any

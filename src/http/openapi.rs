@@ -26,7 +26,8 @@ pub struct Operation {
     pub method: &'static str,
     /// The path, in OpenAPI's template syntax.
     pub path: &'static str,
-    /// The gRPC method it calls (and whose role it needs).
+    /// The gRPC method it calls (and whose role it needs); empty for this
+    /// document and `whoami`, which call none.
     pub rpc: &'static str,
     pub summary: &'static str,
     /// Request body schema, if it takes one.
@@ -42,6 +43,9 @@ const DELIVERIES_PATH: &str = "/api/v1/jobs/{id}/deliveries";
 
 /// The grouped dead set: authorized as `List`, but an operation of its own.
 const DEAD_SET_PATH: &str = "/api/v1/dead-set";
+
+/// The caller's identity: any known token, no method of its own.
+const WHOAMI_PATH: &str = super::whoami::PATH;
 
 /// Every operation the router serves under `/api/v1`.
 pub const OPERATIONS: &[Operation] = &[
@@ -164,6 +168,15 @@ pub const OPERATIONS: &[Operation] = &[
     },
     Operation {
         method: "get",
+        path: WHOAMI_PATH,
+        rpc: "",
+        summary: "The caller: {\"tenant\", \"roles\", \"methods\"}, the tenant its calls act for, its roles and the JobService methods they allow (by name, e.g. Retry). Any known token; every role in open mode. HTTP only.",
+        body: None,
+        response: None,
+        query: &[],
+    },
+    Operation {
+        method: "get",
         path: PATH,
         rpc: "",
         summary: "This document.",
@@ -219,7 +232,7 @@ fn operation(op: &Operation) -> Value {
         parameters.push(json!({"name": "Last-Event-ID", "in": "header",
                                "schema": {"type": "string"}}));
     }
-    if !op.rpc.is_empty() {
+    if op.path != PATH {
         parameters.push(json!({"name": crate::auth::identity::TENANT_HEADER, "in": "header",
             "description": "The tenant to act as: admins and open mode only; a token bound to a tenant acts as its own",
             "schema": {"type": "string"}}));
@@ -253,7 +266,9 @@ fn operation(op: &Operation) -> Value {
         "parameters": parameters,
         "responses": responses,
     });
-    if op.rpc.is_empty() {
+    if op.path == WHOAMI_PATH {
+        out["operationId"] = json!("getWhoami");
+    } else if op.path == PATH {
         out["operationId"] = json!("openapi");
         // Served without a token, whatever the document's default.
         out["security"] = json!([]);

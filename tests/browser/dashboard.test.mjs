@@ -21,6 +21,7 @@ const BIN = process.env.INTRAY_BIN || resolve(here, '../../target/debug/intray')
 const CHROMIUM = process.env.CHROMIUM || '/usr/bin/chromium';
 const SHOTS = process.env.SCREENSHOTS || resolve(here, '../../docs');
 const TOKEN = 'dashboard-test-admin-token-0123456789';
+const PRODUCER_TOKEN = 'dashboard-test-producer-token-012345';
 const STEP_TIMEOUT = 20_000;
 
 const work = mkdtempSync(join(tmpdir(), 'intray-browser-'));
@@ -93,7 +94,7 @@ async function main() {
   const httpPort = await freePort();
   base = `http://127.0.0.1:${httpPort}`;
   const grpc = `http://127.0.0.1:${grpcPort}`;
-  writeFileSync(join(work, 'tokens'), `${TOKEN} default admin\n`);
+  writeFileSync(join(work, 'tokens'), `${TOKEN} default admin\n${PRODUCER_TOKEN} default producer\n`);
   start(['serve', '--grpc-addr', `127.0.0.1:${grpcPort}`, '--http-addr', `127.0.0.1:${httpPort}`,
     '--database-url', `sqlite://${join(work, 'intray.db')}`, '--auth-file', join(work, 'tokens'),
     '--fallback-poll', '200ms', '--metrics-refresh', '1s'], 'server');
@@ -145,6 +146,7 @@ async function main() {
     await page.getByLabel('Bearer token').fill(TOKEN);
     await page.getByRole('button', { name: 'Use token' }).click();
     await page.locator('#queues tr[data-queue="llm"]').waitFor();
+    check((await page.locator('#who').textContent()).includes('admin'), 'the header names the role');
 
     // Queue figures match Stats.
     const stats = await api('GET', '/stats');
@@ -206,6 +208,12 @@ async function main() {
     await page.waitForFunction(() => document.querySelectorAll('#jobs tbody tr[data-job]').length === 60);
     await page.waitForTimeout(4000);
     check((await page.locator('#jobs tbody tr[data-job]').count()) === 60, 'the second page outlives a live refresh');
+    check(await page.locator('#jobs-more').isHidden(), 'no next page after the last');
+    // A list of exactly one page offers no next page (it offered an empty one).
+    await api('POST', '/jobs:batch', { jobs: Array.from({ length: 50 }, (_, i) => ({ queue: 'fifty', kind: 'k', payload: { i } })) });
+    await page.goto(base + '/#/jobs?queue=fifty');
+    await page.waitForFunction(() => document.querySelectorAll('#jobs tbody tr[data-job]').length === 50);
+    check(await page.locator('#jobs-more').isHidden(), 'no next page after a list of exactly 50');
     await page.goto(base + '/#/jobs?queue=llm&state=failed');
     await page.waitForFunction(() => document.querySelectorAll('#jobs tbody tr[data-job]').length === 5);
 
@@ -257,6 +265,21 @@ async function main() {
       return row && row.querySelector('[data-field="queued"]').textContent === '5'
         && row.querySelector('[data-field="dead"]').textContent === '0';
     });
+
+    // A producer's token is not offered the operators' acts (they would be refused).
+    await page.getByRole('button', { name: 'Token' }).click();
+    await page.getByLabel('Bearer token').fill(PRODUCER_TOKEN);
+    await page.getByRole('button', { name: 'Use token' }).click();
+    await page.locator('#who', { hasText: 'producer' }).waitFor();
+    await page.locator('#queues tr[data-queue="llm"]').waitFor();
+    check((await page.locator('#queues button').count()) === 0, 'no pause or resume for a producer');
+    await page.goto(base + '/#/dead?queue=llm');
+    await page.waitForFunction(() => document.body.dataset.ready === 'dead');
+    check(await page.locator('#dead-replay').isHidden() && await page.locator('#dead-count').isHidden(), 'no replay for a producer');
+    await page.goto(base + '/#/job/' + later.id);
+    await page.locator('#job-fields [data-field="state"]').waitFor();
+    check(await page.locator('#job-retry').isHidden(), 'no job replay for a producer');
+    check(await page.locator('#job-cancel').isVisible(), 'a producer may cancel');
 
     // A phone-sized screen.
     await page.setViewportSize({ width: 390, height: 844 });

@@ -36,11 +36,46 @@ async function call(method, path, body) {
   if (!response.ok) {
     if (response.status === 401) {
       showTokenForm('This server needs a bearer token (' + data.message + ').');
+      forgetCaller();
       clearViews();
     }
     throw new ApiError(response.status, data);
   }
   return data;
+}
+
+// What the caller may call (GET /api/v1/whoami): a set of JobService
+// method names, or null while not known, when every act is offered and
+// the server's answer decides.
+let may = null;
+let callerKnown = false;
+
+const allowed = (method) => !may || may.has(method);
+
+function forgetCaller() {
+  may = null;
+  callerKnown = false;
+  $('#who').textContent = '';
+}
+
+// Learns the caller once per token; a server without /whoami (404) leaves
+// every act offered.
+async function learnCaller() {
+  if (callerKnown) return;
+  try {
+    const who = await call('GET', '/whoami');
+    may = new Set(who.methods || []);
+    $('#who').textContent = who.tenant + ' · ' + (who.roles || []).join(', ');
+  } catch (err) {
+    if (!(err instanceof ApiError && err.status === 404)) throw err;
+    may = null;
+  }
+  callerKnown = true;
+  // Acts the token may not make are not offered (they would fail with 403).
+  $('#job-cancel').hidden = !allowed('Cancel');
+  $('#job-retry').hidden = !allowed('Retry');
+  $('#dead-count').hidden = !allowed('Retry');
+  $('#dead-replay').hidden = !allowed('Retry');
 }
 
 function say(text, isError) {
@@ -188,7 +223,7 @@ async function renderQueues(stale) {
     const counts = {};
     for (const c of q.counts || []) counts[short(c.state)] = num(c.count);
     const paused = !!q.paused;
-    const toggle = el('button', {
+    const toggle = !allowed(paused ? 'ResumeQueue' : 'PauseQueue') ? '' : el('button', {
       type: 'button',
       'aria-label': (paused ? 'Resume queue ' : 'Pause queue ') + q.queue,
       text: paused ? 'Resume' : 'Pause',
@@ -503,7 +538,7 @@ async function renderDead(params, stale) {
       cell([...g.queues].join(', ')),
       cell(g.count, 'num', 'count'),
       cell(g.cost, 'num', 'cost'),
-      el('td', {}, el('button', {
+      el('td', {}, !allowed('Retry') ? '' : el('button', {
         type: 'button', 'aria-label': 'Replay the ' + g.cls + ' jobs', text: 'Replay',
         onclick: () => replayMatching(filter),
       })));
@@ -593,6 +628,8 @@ async function renderView() {
     else link.removeAttribute('aria-current');
   }
   try {
+    await learnCaller();
+    if (stale()) return;
     if (view === 'queues') await renderQueues(stale);
     else if (view === 'jobs') { fillForm($('#job-filter'), params); await renderJobs(params, false, stale); }
     else if (view === 'dead') { fillForm($('#dead-filter'), params); await renderDead(params, stale); }
@@ -650,6 +687,7 @@ document.addEventListener('DOMContentLoaded', () => {
     $('#token-form').hidden = true;
     $('#token-button').setAttribute('aria-expanded', 'false');
     say('Token saved for this tab.');
+    forgetCaller();
     stopStream();
     render();
   });
@@ -658,6 +696,7 @@ document.addEventListener('DOMContentLoaded', () => {
     sessionStorage.removeItem('intray.tenant');
     $('#token').value = '';
     $('#tenant').value = '';
+    forgetCaller();
     clearViews();
     say('Token forgotten.');
     render();
