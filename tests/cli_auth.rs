@@ -238,6 +238,14 @@ async fn cli_over_tls_with_the_ca() {
     args.extend(SUBMIT);
     let untrusted = intray(&args, &[]).await;
     assert_eq!(untrusted.status.code(), Some(1), "{}", stderr(&untrusted));
+    // Without --tls-ca the system's roots are used: SSL_CERT_FILE stands in
+    // for a system bundle that holds the CA, as a public CA's would be.
+    let trusted = intray(&args, &[("SSL_CERT_FILE", ca)]).await;
+    assert!(
+        trusted.status.success(),
+        "the system roots: {}",
+        stderr(&trusted)
+    );
     // A CA with a plaintext address is a mistake, not a silent downgrade.
     let plain = format!("http://{}", server.addr);
     let mut args = vec!["--addr", plain.as_str(), "--tls-ca", ca];
