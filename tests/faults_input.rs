@@ -581,6 +581,11 @@ async fn bad_input_writes_nothing(backend: Backend) {
         Code::InvalidArgument,
         "invalid UTF-8: {status:?}"
     );
+    assert_eq!(
+        bad_request_fields(&status),
+        ["queue"],
+        "the field is named, as any bad field is: {status:?}"
+    );
     refused += 1;
 
     let after = rows(&server).await;
@@ -797,12 +802,14 @@ async fn json_nesting_bounds(backend: Backend) {
             what,
         );
     }
-    // Beyond what the protobuf decoder reads at all: still a caller error.
-    expect_code(
-        jobs.submit(submit_req("q", "k", nested(80))).await,
-        tonic::Code::InvalidArgument,
-        "arrays 80 deep",
-    );
+    // Beyond what the protobuf decoder reads at all: still a caller error,
+    // naming the field.
+    let status = jobs
+        .submit(submit_req("q", "k", nested(80)))
+        .await
+        .expect_err("arrays 80 deep are refused");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert_eq!(bad_request_fields(&status), ["payload"], "{status:?}");
     assert_eq!(before, rows(&server).await, "refused calls wrote nothing");
     workers
         .complete(success_req(&leased, objects(max)))

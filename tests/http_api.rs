@@ -798,6 +798,21 @@ async fn dead_set_is_grouped_by_error_class_and_queue(backend: Backend) {
     http.get("/api/v1/dead-set?page_size=3")
         .await
         .expect_error(400, "INVALID_ARGUMENT");
+
+    // Costs past any budget, as a buggy or hostile worker may report them:
+    // each job's saturates, and so does their group's sum (it overflowed,
+    // and the dead set answered INTERNAL until retention took the jobs).
+    for _ in 0..2 {
+        submit(&mut grpc, "costly", "k", json!({})).await;
+        let leased = lease_one(&mut workers, "w", "costly").await;
+        let mut report = failure_req(&leased, "pricey", Some(false), None);
+        report.cost_cents = i64::MAX;
+        workers.complete(report).await.expect("a costly failure");
+    }
+    assert_eq!(
+        http.get("/api/v1/dead-set?queue=costly").await.json()["groups"],
+        json!([{"error_class": "pricey", "queue": "costly", "jobs": 2, "cost_cents": i64::MAX}])
+    );
     server.stop().await;
 }
 

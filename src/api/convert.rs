@@ -71,10 +71,16 @@ pub fn duration(d: Duration) -> pbjson_types::Duration {
 /// A protobuf `Duration` as a duration; negative ones are refused.
 pub fn from_duration(field: &str, d: Option<pbjson_types::Duration>) -> Result<Option<Duration>> {
     let Some(d) = d else { return Ok(None) };
-    if d.seconds < 0 || d.nanos < 0 || d.nanos >= 1_000_000_000 {
+    if d.seconds < 0 || d.nanos < 0 {
         return Err(ValidationError::new(
             field,
             "must be a non-negative duration",
+        ));
+    }
+    if d.nanos >= 1_000_000_000 {
+        return Err(ValidationError::new(
+            field,
+            "nanos must be below 1,000,000,000 (whole seconds go in seconds)",
         ));
     }
     let secs = u64::try_from(d.seconds).unwrap_or(0);

@@ -10,8 +10,11 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use tonic::codegen::http::{HeaderMap, HeaderValue, Request, Response};
+use tonic::Status;
+use tonic::codegen::http::{HeaderMap, Request, Response};
 use tower::{Layer, Service};
+
+use crate::domain::validate::ValidationError;
 
 /// Adds [`DecodeErrors`] to a service.
 #[derive(Clone, Copy, Debug, Default)]
@@ -68,24 +71,50 @@ fn rewrite(headers: &mut HeaderMap) {
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default();
     let replacement = match status {
-        Some("13") if message.starts_with(UNDECODABLE) => Some((
-            "3",
-            "the%20request%20is%20not%20a%20valid%20message%20(bad%20UTF-8%20or%20nested%20too%20deep)",
-        )),
-        Some("11") if message.contains(TOO_LARGE) => Some((
-            "8",
-            "the%20request%20is%20larger%20than%20the%20server%20accepts",
-        )),
-        _ => None,
+        Some("13") if message.starts_with(UNDECODABLE) => {
+            undecodable_field(message).map_or_else(
+                || Status::invalid_argument(UNDECODABLE_TEXT),
+                // As every other bad field is refused: with a BadRequest
+                // naming it.
+                |field| ValidationError::new(field, UNDECODABLE_TEXT).into(),
+            )
+        }
+        Some("11") if message.contains(TOO_LARGE) => {
+            Status::resource_exhausted("the request is larger than the server accepts")
+        }
+        _ => return,
     };
-    if let Some((code, text)) = replacement {
-        headers.insert("grpc-status", HeaderValue::from_static(code));
-        headers.insert("grpc-message", HeaderValue::from_static(text));
+    if let Err(err) = replacement.add_header(headers) {
+        tracing::warn!(error = %err, "could not rewrite an undecodable request's status");
     }
+}
+
+const UNDECODABLE_TEXT: &str = "the request is not a valid message (bad UTF-8 or nested too deep)";
+
+/// The request's field that could not be decoded, from prost's error as
+/// tonic sends it (`failed to decode Protobuf message: Value.kind:
+/// SubmitRequest.payload: recursion limit reached`, percent-encoded): each
+/// `Message.field: ` names a step, the innermost first, so the last step is
+/// the request's own field.
+fn undecodable_field(message: &str) -> Option<String> {
+    message
+        .split("%20")
+        .skip_while(|word| *word != "message:")
+        .skip(1)
+        .map_while(|word| {
+            let (_, field) = word.strip_suffix(':')?.split_once('.')?;
+            let named =
+                !field.is_empty() && field.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            named.then(|| field.to_owned())
+        })
+        .last()
 }
 
 #[cfg(test)]
 mod tests {
+    use tonic::codegen::http::HeaderValue;
+    use tonic_types::StatusExt;
+
     use super::*;
 
     fn headers(status: &'static str, message: &'static str) -> HeaderMap {
@@ -93,6 +122,14 @@ mod tests {
         h.insert("grpc-status", HeaderValue::from_static(status));
         h.insert("grpc-message", HeaderValue::from_static(message));
         h
+    }
+
+    fn field_violations(h: &HeaderMap) -> Vec<String> {
+        Status::from_header_map(h)
+            .expect("a status")
+            .get_details_bad_request()
+            .map(|b| b.field_violations.into_iter().map(|v| v.field).collect())
+            .unwrap_or_default()
     }
 
     #[test]
@@ -103,12 +140,31 @@ mod tests {
         );
         rewrite(&mut h);
         assert_eq!(h["grpc-status"], "3");
+        assert!(field_violations(&h).is_empty(), "no field to name");
         let mut h = headers(
             "11",
             "Error,%20decoded%20message%20length%20too%20large:%20found%2020%20bytes",
         );
         rewrite(&mut h);
         assert_eq!(h["grpc-status"], "8");
+    }
+
+    #[test]
+    fn an_undecodable_field_is_named() {
+        let mut h = headers(
+            "13",
+            "failed%20to%20decode%20Protobuf%20message:%20SubmitRequest.queue:%20invalid%20string%20value:%20data%20is%20not%20UTF-8%20encoded",
+        );
+        rewrite(&mut h);
+        assert_eq!(h["grpc-status"], "3");
+        assert_eq!(field_violations(&h), ["queue"]);
+        // Nested: the request's own field is the last step.
+        let mut h = headers(
+            "13",
+            "failed%20to%20decode%20Protobuf%20message:%20Value.kind:%20ListValue.values:%20SubmitRequest.payload:%20recursion%20limit%20reached",
+        );
+        rewrite(&mut h);
+        assert_eq!(field_violations(&h), ["payload"]);
     }
 
     #[test]

@@ -56,20 +56,42 @@ impl From<sqlx::Error> for StoreError {
                 StoreError::Unavailable(Arc::new(err))
             }
             sqlx::Error::Database(db) => match db.code().as_deref() {
-                // Worth retrying: serialization failure, deadlock, connection
-                // exceptions (class 08), admin/crash shutdown, cannot connect
-                // now, database not accepting connections, too many
-                // connections, disk full, out of memory, an I/O error.
-                Some(
-                    "40001" | "40P01" | "08000" | "08001" | "08003" | "08004" | "08006" | "57P01"
-                    | "57P02" | "57P03" | "55000" | "53300" | "53100" | "53200" | "58030",
-                ) => StoreError::Unavailable(Arc::new(err)),
+                Some(code) if pg_unavailable(code) => StoreError::Unavailable(Arc::new(err)),
                 _ => StoreError::Internal(err.to_string()),
             },
             sqlx::Error::Configuration(e) => StoreError::Config(e.to_string()),
             _ => StoreError::Internal(err.to_string()),
         }
     }
+}
+
+/// Whether a PostgreSQL SQLSTATE says the database cannot serve now, so a
+/// caller should retry (`UNAVAILABLE`), rather than that a statement is
+/// wrong: a serialization failure or deadlock; any connection exception
+/// (class 08); a shutdown, a crash or a dropped database (57P0x); a
+/// statement timeout (57014); a read-only transaction (25006: a hot
+/// standby, or a primary just failed over and not yet promoted); a
+/// database that is gone or refuses this login after a reconnect (3D000,
+/// 28000, 28P01: dropped, or its credentials rotated); too many
+/// connections, disk full, out of memory; an I/O error.
+fn pg_unavailable(code: &str) -> bool {
+    code.starts_with("08")
+        || code.starts_with("57P")
+        || matches!(
+            code,
+            "40001"
+                | "40P01"
+                | "57014"
+                | "25006"
+                | "3D000"
+                | "28000"
+                | "28P01"
+                | "55000"
+                | "53300"
+                | "53100"
+                | "53200"
+                | "58030"
+        )
 }
 
 impl From<sqlx::migrate::MigrateError> for StoreError {

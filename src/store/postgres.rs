@@ -2223,9 +2223,12 @@ impl Store for PgStore {
     #[tracing::instrument(name = "store.group_matching", skip_all)]
     async fn group_matching(&self, tenant: &str, filter: &RetryFilter) -> StoreResult<Grouped> {
         let states: Vec<&str> = filter.states.iter().map(|s| s.as_str()).collect();
+        // A job's cost saturates at the largest bigint, and so does the sum
+        // of a group's (a numeric): what workers report cannot make the
+        // dead set unreadable.
         let rows = sqlx::query(concat!(
             "SELECT error_class, queue, count(*) AS jobs,
-                    COALESCE(sum(cost_cents), 0)::int8 AS cost_cents
+                    LEAST(COALESCE(sum(cost_cents), 0), 9223372036854775807)::int8 AS cost_cents
              FROM (SELECT error_class, queue, cost_cents FROM jobs WHERE ",
             replay_filter!(),
             "
@@ -3466,6 +3469,56 @@ mod tests {
             Some((leased.id, 1))
         );
         drop(store);
+        scratch.drop().await;
+    }
+
+    /// A database that turns read-only under a running store (a primary
+    /// failed over to a standby not yet promoted) is unavailable, as a lost
+    /// one is, not an internal error: callers are told to retry.
+    #[tokio::test]
+    async fn a_database_turned_read_only_is_unavailable() {
+        let scratch = Scratch::new("intray_read_only").await;
+        let store = scratch.store().await;
+        store
+            .submit("default", vec![new_job()])
+            .await
+            .expect("submit while writable");
+        let mut admin = PgConnection::connect(&scratch.url).await.expect("connect");
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "ALTER DATABASE {} SET default_transaction_read_only = on",
+            scratch.name
+        )))
+        .execute(&mut admin)
+        .await
+        .expect("make the database read-only");
+        // The setting holds for new sessions: end the store's.
+        sqlx::query(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+             WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        )
+        .execute(&mut admin)
+        .await
+        .expect("end the store's sessions");
+        let mut read_only_seen = false;
+        for _ in 0..10 {
+            match store.submit("default", vec![new_job()]).await {
+                Err(StoreError::Unavailable(err)) => {
+                    read_only_seen |= err.to_string().contains("read-only");
+                }
+                other => panic!("a read-only database answered {other:?}"),
+            }
+            if read_only_seen {
+                break;
+            }
+        }
+        assert!(read_only_seen, "a submit reached the read-only database");
+        let leased = store.lease("default", &[lease_spec("w", 1)]).await;
+        assert!(
+            matches!(leased, Err(StoreError::Unavailable(_))),
+            "{leased:?}"
+        );
+        drop(store);
+        drop(admin);
         scratch.drop().await;
     }
 

@@ -1125,16 +1125,18 @@ impl Store for SqliteStore {
     #[tracing::instrument(name = "store.group_matching", skip_all)]
     async fn group_matching(&self, tenant: &str, filter: &RetryFilter) -> StoreResult<Grouped> {
         let states: Vec<&str> = filter.states.iter().map(|s| s.as_str()).collect();
-        let rows = sqlx::query(
-            concat!(
-                "SELECT error_class, queue, count(*) AS jobs, COALESCE(sum(cost_cents), 0) AS cost_cents
+        // sum() fails on an overflow, which reported costs can reach (a
+        // job's saturates at the largest integer); total() is a double,
+        // exact below 2^53 cents, and the cast saturates.
+        let rows = sqlx::query(concat!(
+            "SELECT error_class, queue, count(*) AS jobs,
+                        CAST(min(total(cost_cents), 9223372036854775807.0) AS INTEGER) AS cost_cents
                  FROM (SELECT error_class, queue, cost_cents FROM jobs WHERE ",
-                replay_filter!(),
-                " LIMIT ?6)
+            replay_filter!(),
+            " LIMIT ?6)
                  GROUP BY error_class, queue
                  ORDER BY jobs DESC, error_class, queue"
-            ),
-        )
+        ))
         .bind(tenant)
         .bind(to_json(&states))
         .bind(filter.queue.as_deref())
