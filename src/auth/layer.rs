@@ -130,6 +130,10 @@ pub fn identify(source: &TokenSource, headers: &HeaderMap) -> Result<Identity, A
     })
 }
 
+/// Whether `headers` carry a known token (anyone in open mode), whatever
+/// its roles: the check that can run before a request's body is read, so
+/// that an unknown caller costs no parsing. [`authorize`] still decides the
+/// method.
 pub fn authenticate(source: &TokenSource, headers: &HeaderMap) -> Result<(), AuthError> {
     if source.is_open() {
         return Ok(());

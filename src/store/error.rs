@@ -72,8 +72,9 @@ impl From<sqlx::Error> for StoreError {
 /// statement timeout (57014); a read-only transaction (25006: a hot
 /// standby, or a primary just failed over and not yet promoted); a
 /// database that is gone or refuses this login after a reconnect (3D000,
-/// 28000, 28P01: dropped, or its credentials rotated); too many
-/// connections, disk full, out of memory; an I/O error.
+/// 28000, 28P01: dropped, or its credentials rotated); a database not
+/// accepting connections (55000); too many connections, disk full, out of
+/// memory; an I/O error.
 fn pg_unavailable(code: &str) -> bool {
     code.starts_with("08")
         || code.starts_with("57P")
