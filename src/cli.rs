@@ -256,6 +256,16 @@ pub struct ServeArgs {
     )]
     pub http_allowed_hosts: Option<Vec<String>>,
 
+    /// How long an HTTP client has to send a request's headers; a client
+    /// that stalls is disconnected.
+    #[arg(long, env = "INTRAY_HTTP_HEADER_TIMEOUT", default_value = "20s", value_parser = duration)]
+    pub http_header_timeout: Duration,
+
+    /// How long an HTTP client has to send a request's body once its
+    /// headers are in; a body that does not arrive in time is answered 408.
+    #[arg(long, env = "INTRAY_HTTP_BODY_TIMEOUT", default_value = "30s", value_parser = duration)]
+    pub http_body_timeout: Duration,
+
     /// Log lines as `text` or `json` (filtered by RUST_LOG).
     #[arg(long, env = "INTRAY_LOG_FORMAT", default_value = "text")]
     pub log_format: crate::telemetry::LogFormat,
@@ -394,6 +404,10 @@ impl ServeArgs {
             self.queue_max_running_per_tenant.iter().cloned().collect();
         s.auth_file = self.auth_file.clone();
         s.http_allowed_hosts = self.http_allowed_hosts.clone();
+        s.http_read_timeouts = crate::config::HttpReadTimeouts {
+            header: self.http_header_timeout,
+            body: self.http_body_timeout,
+        };
         s.reload_interval = self.reload_interval;
         s.tls = match (&self.tls_cert, &self.tls_key) {
             (Some(cert), Some(key)) => Some(TlsFiles {

@@ -6,6 +6,24 @@ pub mod webhooks;
 use std::path::PathBuf;
 use std::time::Duration;
 
+/// How long the HTTP port waits for a request, in two parts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HttpReadTimeouts {
+    /// For its headers, from the connection (or the request before it).
+    pub header: Duration,
+    /// For its body, from its headers.
+    pub body: Duration,
+}
+
+impl Default for HttpReadTimeouts {
+    fn default() -> Self {
+        HttpReadTimeouts {
+            header: Duration::from_secs(20),
+            body: Duration::from_secs(30),
+        }
+    }
+}
+
 /// Everything `intray serve` can be told, in the shape the server uses.
 ///
 /// `Settings::new` gives the documented defaults; the CLI overrides them from
@@ -69,6 +87,9 @@ pub struct Settings {
     /// `localhost` (see `http::AllowedHosts`); `None`: every name with a
     /// token file, none without.
     pub http_allowed_hosts: Option<Vec<String>>,
+    /// How long an HTTP client has to send a request's headers, and then
+    /// its body: a client that stalls is cut off then.
+    pub http_read_timeouts: HttpReadTimeouts,
     /// How often the token file and TLS files are checked for changes.
     pub reload_interval: Duration,
     /// TLS on the gRPC and HTTP ports; `None` is plaintext.
@@ -151,6 +172,7 @@ impl Settings {
             },
             auth_file: None,
             http_allowed_hosts: None,
+            http_read_timeouts: HttpReadTimeouts::default(),
             reload_interval: Duration::from_secs(5),
             tls: None,
             rpc_timeout: Duration::from_secs(30),

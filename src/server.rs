@@ -201,6 +201,7 @@ pub async fn run_with(
     let retention = settings.retention;
     let webhooks = settings.webhooks.clone();
     let http_tracing = settings.tracing.clone();
+    let http_timeouts = settings.http_read_timeouts;
     let (reap_at, reap_wakes) = reaper::ReapAt::new();
     let ctx = Context::new(
         Arc::clone(&store),
@@ -284,8 +285,15 @@ pub async fn run_with(
             http_tracing,
             hosts,
             draining.clone(),
+            http_timeouts.body,
         );
-        tokio::spawn(crate::http::serve(listener, app, tls.clone(), stop.clone()))
+        tokio::spawn(crate::http::serve(
+            listener,
+            app,
+            tls.clone(),
+            http_timeouts.header,
+            stop.clone(),
+        ))
     });
     let mut watchers = Vec::new();
     if let Some(path) = tokens.path() {

@@ -689,7 +689,14 @@ async fn a_batch_of_millions_of_empty_items_is_refused_undecoded(backend: Backen
 
 /// The values exactly at each bound are accepted.
 async fn bounds_are_inclusive(backend: Backend) {
-    let server = TestServer::start(backend).await;
+    // A callback is signed: the tenant needs a secret.
+    let server = TestServer::start_with(backend, |s| {
+        s.webhooks.keys.default_secret = Some(
+            intray::domain::webhook::Keyring::parse(&["whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"])
+                .expect("secret"),
+        );
+    })
+    .await;
     let mut jobs = server.jobs_client(TENANT);
     let mut workers = server.workers_client(TENANT);
     let mut r = submit_req(

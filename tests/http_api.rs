@@ -13,9 +13,11 @@ use common::*;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
-use intray::config::RateLimit;
+use intray::config::{HttpReadTimeouts, RateLimit};
 use intray::pb::JobState;
 use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
 
 backend_tests!(
     submit_poll_and_idempotency,
@@ -37,6 +39,7 @@ backend_tests!(
     unknown_host_names_are_refused_in_open_mode,
     probes_answer_any_host_and_readiness_fails_while_draining,
     a_resumed_event_stream_draws_one_token,
+    clients_that_stall_are_cut_off,
 );
 
 /// One HTTP answer.
@@ -1557,5 +1560,62 @@ async fn a_resumed_event_stream_draws_one_token(backend: Backend) {
         .get(&format!("{path}/events"))
         .await
         .expect_error(429, "RESOURCE_EXHAUSTED");
+    server.stop().await;
+}
+
+/// What a raw connection reads until the server closes it (or 10 s pass,
+/// which fails the test), and how long that took.
+async fn read_until_closed(conn: &mut TcpStream) -> (String, Duration) {
+    let started = Instant::now();
+    let mut read = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut read)).await;
+    assert!(
+        closed.is_ok(),
+        "the server kept a stalled connection: {}",
+        String::from_utf8_lossy(&read)
+    );
+    (
+        String::from_utf8_lossy(&read).into_owned(),
+        started.elapsed(),
+    )
+}
+
+/// A client that stops partway through its headers, or its body, is cut
+/// off at `--http-header-timeout` / `--http-body-timeout` (they were held
+/// for ever, with what they had sent, by a port that faces the internet).
+async fn clients_that_stall_are_cut_off(backend: Backend) {
+    let server = TestServer::start_with(backend, |s| {
+        s.http_read_timeouts = HttpReadTimeouts {
+            header: Duration::from_millis(500),
+            body: Duration::from_millis(700),
+        };
+    })
+    .await;
+    let mut headers_only = TcpStream::connect(server.http_addr).await.expect("connect");
+    headers_only
+        .write_all(b"POST /api/v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        .await
+        .expect("send part of the headers");
+    let (_, waited) = read_until_closed(&mut headers_only).await;
+    assert!(waited < Duration::from_secs(5), "{waited:?}");
+
+    let mut part_body = TcpStream::connect(server.http_addr).await.expect("connect");
+    part_body
+        .write_all(
+            b"POST /api/v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\n\
+              content-type: application/json\r\ncontent-length: 100\r\n\r\n{",
+        )
+        .await
+        .expect("send the headers and one byte");
+    let (answer, waited) = read_until_closed(&mut part_body).await;
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(
+        answer.contains("DEADLINE_EXCEEDED") && answer.contains("did not arrive within 700ms"),
+        "{answer}"
+    );
+    assert!(waited < Duration::from_secs(5), "{waited:?}");
+    // A whole request on a fresh connection is served as before.
+    let job = submit_http(&Http::new(&server), "q", "k").await;
+    assert_eq!(job["queue"], "q");
     server.stop().await;
 }

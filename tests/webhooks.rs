@@ -352,6 +352,19 @@ async fn ingress_verifies_dedupes_and_refuses(backend: Backend) {
     )
     .await;
     assert!(head.starts_with("HTTP/1.1 400"), "{head}");
+    // A declared length over the limit is refused before any body is sent
+    // (a client declaring 10 GB was read, and waited for).
+    let (head, _) = tokio::time::timeout(
+        Duration::from_secs(5),
+        http_exchange(
+            addr,
+            "POST /hooks/payments HTTP/1.1\r\nhost: localhost\r\n\
+             content-length: 10000000000\r\nconnection: close\r\n\r\n",
+        ),
+    )
+    .await
+    .expect("answered without the body");
+    assert!(head.starts_with("HTTP/1.1 413"), "{head}");
     // A tampered body under a valid signature of another body.
     let headers = [
         ("webhook-id", "msg_8".to_owned()),
@@ -956,15 +969,15 @@ async fn the_webhooks_file_is_reloaded_while_serving(backend: Backend) {
         ),
     );
     let started = Instant::now();
-    loop {
+    let first_order = loop {
         let (status, answer) = post_signed(addr, "orders", "o1", now(), ORDERS_SECRET, body).await;
         if status == 200 {
-            break;
+            break answer;
         }
         assert_eq!(status, 404, "{answer}");
         assert!(started.elapsed() < LONG, "the new source never appeared");
         tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    };
     let (status, _) = post_signed(addr, "orders", "o2", now(), SOURCE_SECRET, body).await;
     assert_eq!(status, 200, "the source's second secret");
     let (status, _) = post_signed(addr, "payments", "p2", now(), SOURCE_SECRET, body).await;
@@ -999,6 +1012,79 @@ async fn the_webhooks_file_is_reloaded_while_serving(backend: Backend) {
     jobs.submit(elsewhere)
         .await
         .expect("a failed reload kept the allow-list");
+
+    // A reload that drops the tenant's secret: a callback is then refused
+    // at Submit, and one already due is retried, not failed for good (it
+    // was lost), and goes out once the secret is back.
+    let mut due = submit_req("reload", "k", json!({"n": 4}));
+    due.callback_url = format!("http://127.0.0.1:{old_port}/");
+    let due = submit_with(&mut jobs, due).await;
+    let unsigned = json!({
+        "allow": ["127.0.0.1"],
+        "sources": {"orders": {"secret": ORDERS_SECRET, "tenant": TENANT, "queue": "hooks", "kind": "event.v2"}},
+    });
+    replace_file(&file, &unsigned.to_string());
+    let started = Instant::now();
+    loop {
+        let mut probe = submit_req(
+            "reload",
+            "k",
+            json!({"probe": started.elapsed().as_millis() as u64}),
+        );
+        probe.callback_url = format!("http://127.0.0.1:{old_port}/");
+        match jobs.submit(probe).await {
+            Err(status) => {
+                assert_eq!(bad_request_fields(&status), ["callback_url"], "{status:?}");
+                break;
+            }
+            Ok(_) => assert!(started.elapsed() < LONG, "the secret never went"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The provider retries a message it sent before the source's kind
+    // changed: the same message, not "another body" (it was 409).
+    let (status, again) = post_signed(addr, "orders", "o1", now(), ORDERS_SECRET, body).await;
+    assert_eq!(
+        (status, &again["job_id"], &again["created"]),
+        (200, &first_order["job_id"], &json!(false)),
+        "{again}"
+    );
+    let (status, _) = post_signed(addr, "orders", "o1", now(), ORDERS_SECRET, br#"{"n": 2}"#).await;
+    assert_eq!(status, 409, "another body under the same id");
+    let mut workers = server.workers_client(TENANT);
+    let mut leased = lease_one(&mut workers, "w", "reload").await;
+    // The probes that went in before the reload took are leased first.
+    while leased.job_id != due.id {
+        complete_ok(&mut workers, &leased).await;
+        leased = lease_one(&mut workers, "w", "reload").await;
+    }
+    complete_ok(&mut workers, &leased).await;
+    let path = format!("/api/v1/jobs/{}/deliveries", due.id);
+    let started = Instant::now();
+    loop {
+        let (_, listing) = get_json(addr, &path).await;
+        let delivery = &listing["deliveries"][0];
+        if delivery["attempts"].as_u64() >= Some(1) {
+            assert_eq!(delivery["status"], "pending", "retried: {listing}");
+            break;
+        }
+        assert!(started.elapsed() < LONG, "never attempted: {listing}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    replace_file(
+        &file,
+        &webhooks_file(
+            json!(SECRET),
+            &["127.0.0.1"],
+            "orders",
+            json!(ORDERS_SECRET),
+        ),
+    );
+    old_side.wait_accepted(2).await;
+    assert!(
+        accepted_jobs(&old_side).contains(&due.id),
+        "the callback went out once the secret was back"
+    );
     new_side.stop().await;
     old_side.stop().await;
     server.stop().await;

@@ -72,6 +72,23 @@ impl JobsApi {
         ))
     }
 
+    /// The job an ingress message keyed `key` was first received as, if it
+    /// holds `payload`: a provider's retry of a message after its source's
+    /// queue or kind changed in the webhooks file is still that message
+    /// (its input hash, which covers queue and kind, no longer matches).
+    pub async fn ingress_original(
+        &self,
+        tenant: &str,
+        key: &str,
+        payload: pbjson_types::Value,
+    ) -> Result<Option<pb::Job>, Status> {
+        let payload = convert::from_value("payload", Some(payload))?;
+        let original = self.ctx.store.get_by_key(tenant, key).await?;
+        Ok(original
+            .filter(|job| job.payload == payload)
+            .map(|job| convert::job(&job)))
+    }
+
     /// The jobs a replay filter matches, grouped by error class and queue,
     /// as JSON for `GET /api/v1/dead-set` (not in the proto: the
     /// dashboard's dead-set view). Counts at most [`GROUPED_JOBS`] of them;
@@ -154,9 +171,13 @@ impl JobsApi {
     }
 
     /// Every check but the deadline's against the clock, which [`Self::admit`]
-    /// makes. Keys in the ingress's space are the ingress's alone.
+    /// makes. Keys in the ingress's space are the ingress's alone. A
+    /// callback needs a secret to be signed with: without one for the
+    /// tenant it could never be sent, so it is refused now rather than
+    /// lost later.
     fn validate_submit(
         &self,
+        tenant: &str,
         request: pb::SubmitRequest,
         from_ingress: bool,
     ) -> Result<NewJob, ValidationError> {
@@ -165,6 +186,12 @@ impl JobsApi {
         let new = validate::submission(input, &self.ctx.limits, &keys.allow)?;
         if !from_ingress {
             validate::producer_key(&new)?;
+        }
+        if new.callback_url.is_some() && keys.secrets_for(tenant).is_none() {
+            return Err(ValidationError::new(
+                "callback_url",
+                "this server has no webhook secret for the tenant to sign callbacks with (see the webhooks file)",
+            ));
         }
         Ok(new)
     }
@@ -214,7 +241,7 @@ impl JobService for JobsApi {
         let tenant = tenant_of(&request)?;
         let trace_parent = call_trace(&request);
         let from_ingress = request.extensions().get::<FromIngress>().is_some();
-        let mut new = self.validate_submit(request.into_inner(), from_ingress)?;
+        let mut new = self.validate_submit(&tenant, request.into_inner(), from_ingress)?;
         new.trace_parent = trace_parent;
         let slot = match self.admit(&tenant, &new).await? {
             Admitted::Original(original) => {
@@ -261,7 +288,7 @@ impl JobService for JobsApi {
         let mut slots: Vec<Option<Slot>> = Vec::new();
         let mut admitted_keys = HashSet::new();
         for (i, job) in jobs.into_iter().enumerate() {
-            let admitted = match self.validate_submit(job, false) {
+            let admitted = match self.validate_submit(&tenant, job, false) {
                 Ok(new) => self
                     .admit_item(&tenant, &new, &admitted_keys)
                     .await

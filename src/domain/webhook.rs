@@ -133,8 +133,11 @@ impl Secret {
             return Err(VerifyError::Stale);
         }
         let mac = self.mac(id, timestamp, body);
+        // A sender lists one signature per secret it holds; thousands in one
+        // header would make an unauthenticated request cost that many MACs.
         let matched = signatures
             .split_whitespace()
+            .take(MAX_SIGNATURES)
             .filter_map(|s| s.strip_prefix("v1,"))
             .filter_map(|s| B64.decode(s).ok())
             // verify_slice compares in constant time.
@@ -201,6 +204,9 @@ impl Keyring {
         outcome
     }
 }
+
+/// The most signatures of a `webhook-signature` header that are checked.
+pub const MAX_SIGNATURES: usize = 8;
 
 /// Where a callback goes, split out of its URL.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -383,12 +389,18 @@ fn is_public_v6(ip: Ipv6Addr) -> bool {
     let first = segments[0];
     let unique_local = first & 0xfe00 == 0xfc00;
     let link_local = first & 0xffc0 == 0xfe80;
+    // Deprecated, but still routed inside some networks.
+    let site_local = first & 0xffc0 == 0xfec0;
+    // Discard-only, 100::/64.
+    let discard = matches!(segments, [0x100, 0, 0, 0, ..]);
     let documentation = first == 0x2001 && ip.segments()[1] == 0x0db8;
     !(ip.is_loopback()
         || ip.is_unspecified()
         || ip.is_multicast()
         || unique_local
         || link_local
+        || site_local
+        || discard
         || documentation)
 }
 
@@ -479,7 +491,8 @@ pub enum AfterFailure {
 
 /// The step after failed attempt number `attempt` (1-based) of a delivery
 /// that is `age` old: a full-jitter backoff delay (`jitter` a uniform draw
-/// in `[0, 1)`), unless the next attempt would fall outside `window`.
+/// in `[0, 1)`), cut so that the last attempt comes at the end of `window`
+/// rather than a backoff's length before it; none once `window` has passed.
 pub fn after_failure(
     backoff: &super::Backoff,
     attempt: u32,
@@ -487,11 +500,11 @@ pub fn after_failure(
     window: std::time::Duration,
     jitter: f64,
 ) -> AfterFailure {
-    let delay = backoff.delay(attempt, jitter);
-    if age.saturating_add(delay) > window {
-        AfterFailure::GiveUp
-    } else {
-        AfterFailure::Retry(delay)
+    match window.checked_sub(age) {
+        Some(left) if !left.is_zero() => {
+            AfterFailure::Retry(backoff.delay(attempt, jitter).min(left))
+        }
+        _ => AfterFailure::GiveUp,
     }
 }
 
@@ -578,6 +591,12 @@ mod tests {
         assert_eq!(
             s.verify(SPEC_ID, &ts, &several, body, SPEC_TS + 299),
             Ok(())
+        );
+        // Only the first few are checked: a header of thousands costs no more.
+        let buried = format!("{}{SPEC_SIGNATURE}", "v1,AAAA ".repeat(MAX_SIGNATURES));
+        assert_eq!(
+            s.verify(SPEC_ID, &ts, &buried, body, SPEC_TS),
+            Err(VerifyError::Signature)
         );
         assert_eq!(
             s.verify(
@@ -680,8 +699,13 @@ mod tests {
             after_failure(&backoff, 30, Duration::from_secs(3600), day, 0.999),
             AfterFailure::Retry(Duration::from_secs(3600).mul_f64(0.999))
         );
+        // The last attempt comes at the window's end, not a delay before it.
         assert_eq!(
             after_failure(&backoff, 30, day - Duration::from_secs(60), day, 0.5),
+            AfterFailure::Retry(Duration::from_secs(60))
+        );
+        assert_eq!(
+            after_failure(&backoff, 31, day, day, 0.5),
             AfterFailure::GiveUp
         );
         assert_eq!(
@@ -774,6 +798,8 @@ mod tests {
             "::ffff:0:a00:1",
             "::2",
             "2001:0:4136:e378:8000:63bf:3fff:fdd2",
+            "fec0::1",
+            "100::1",
         ] {
             let ip: IpAddr = private.parse().expect("ip");
             assert!(!is_public(ip), "{private} is not public");

@@ -353,8 +353,11 @@ impl Dispatcher {
     /// Signs and POSTs the event; `Ok` with a 2xx status.
     async fn send(&self, delivery: &Delivery) -> Result<u16, SendError> {
         let keys = self.keys.current();
+        // Submit refuses a callback without a secret; one gone since (a
+        // webhooks file edited) is retried, as an address the allow-list
+        // dropped is, so that the edit can be mended without a loss.
         let secret = keys.secrets_for(&delivery.tenant).ok_or_else(|| {
-            SendError::Permanent(format!(
+            SendError::Transient(format!(
                 "no webhook secret configured for tenant {:?}",
                 delivery.tenant
             ))

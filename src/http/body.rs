@@ -24,6 +24,8 @@ pub fn bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, HttpError> {
             HttpError::TooLarge {
                 limit: MAX_BODY_BYTES,
             }
+        } else if let Some(limit) = super::deadline::timed_out(&rejection) {
+            HttpError::BodyTimedOut { limit }
         } else {
             ValidationError::new("body", "could not be read").into()
         }

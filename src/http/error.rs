@@ -29,6 +29,12 @@ pub enum HttpError {
         /// The limit, in bytes.
         limit: usize,
     },
+    /// The request body did not arrive within `--http-body-timeout`.
+    #[error("the request body did not arrive within {}", humantime::format_duration(*.limit))]
+    BodyTimedOut {
+        /// The limit it missed.
+        limit: Duration,
+    },
     /// Nothing is served at this path.
     #[error("no route for {0}")]
     NoRoute(String),
@@ -57,6 +63,7 @@ impl HttpError {
         match self {
             HttpError::Rpc(status) => status.code(),
             HttpError::TooLarge { .. } => Code::ResourceExhausted,
+            HttpError::BodyTimedOut { .. } => Code::DeadlineExceeded,
             HttpError::NoRoute(_) => Code::NotFound,
             HttpError::NoMethod { .. } => Code::Unimplemented,
         }
@@ -66,6 +73,7 @@ impl HttpError {
     pub fn status(&self) -> StatusCode {
         match self {
             HttpError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            HttpError::BodyTimedOut { .. } => StatusCode::REQUEST_TIMEOUT,
             HttpError::NoMethod { .. } => StatusCode::METHOD_NOT_ALLOWED,
             _ => status_for(self.code()),
         }

@@ -19,6 +19,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 use sha2::{Digest, Sha256};
+use tokio::sync::Semaphore;
 use tonic::{Code, Request};
 
 use super::body;
@@ -33,12 +34,17 @@ use crate::pb;
 use crate::pb::job_service_server::JobService;
 use crate::telemetry::Metrics;
 
+/// Most webhook bodies read at once per replica; more are answered `503`
+/// with `Retry-After`, which providers retry.
+pub const INGRESS_READS: usize = 256;
+
 /// What the ingress route needs.
 pub struct Ingress {
     keys: Arc<WebhookKeysSource>,
     max_body_bytes: usize,
     jobs: Arc<JobsApi>,
     metrics: Arc<Metrics>,
+    reading: Arc<Semaphore>,
 }
 
 impl Ingress {
@@ -54,6 +60,7 @@ impl Ingress {
             max_body_bytes,
             jobs,
             metrics,
+            reading: Arc::new(Semaphore::new(INGRESS_READS)),
         }
     }
 }
@@ -112,6 +119,30 @@ async fn handle(
     let Some(source) = source else {
         return refuse(StatusCode::NOT_FOUND, "unknown webhook source");
     };
+    // A declared length over the limit is refused before anything is read.
+    let declared = headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > ingress.max_body_bytes as u64) {
+        return HttpError::TooLarge {
+            limit: ingress.max_body_bytes,
+        }
+        .into_response();
+    }
+    // Bodies being read are held in memory: a bounded number at once, so
+    // that clients stalling mid-upload cannot pile them up.
+    let Ok(_reading) = ingress.reading.clone().try_acquire_owned() else {
+        let mut busy = refuse(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too many webhooks being received; retry shortly",
+        );
+        busy.headers_mut().insert(
+            axum::http::header::RETRY_AFTER,
+            axum::http::HeaderValue::from_static("1"),
+        );
+        return busy;
+    };
     let body = match axum::body::to_bytes(body, ingress.max_body_bytes).await {
         Ok(body) => body,
         Err(err) if over_limit(&err) => {
@@ -119,6 +150,9 @@ async fn handle(
                 limit: ingress.max_body_bytes,
             }
             .into_response();
+        }
+        Err(err) if let Some(limit) = super::deadline::timed_out(&err) => {
+            return HttpError::BodyTimedOut { limit }.into_response();
         }
         Err(_) => {
             return refuse(
@@ -162,11 +196,12 @@ async fn handle(
             return refuse(StatusCode::BAD_REQUEST, &why);
         }
     };
+    let key = idempotency_key(name, &id);
     let mut request = Request::new(pb::SubmitRequest {
         queue: source.queue.clone(),
         kind: source.kind.clone(),
-        payload: Some(payload),
-        idempotency_key: idempotency_key(name, &id),
+        payload: Some(payload.clone()),
+        idempotency_key: key.clone(),
         ..Default::default()
     });
     request.extensions_mut().insert(FromIngress);
@@ -185,11 +220,25 @@ async fn handle(
                 &json!({ "job_id": job_id, "created": answer.created }),
             )
         }
-        // The same webhook-id with another body is not a repeat.
-        Err(status) if status.code() == Code::AlreadyExists => refuse(
-            StatusCode::CONFLICT,
-            "this webhook-id was already received with another body",
-        ),
+        // The same webhook-id with another body is not a repeat; with the
+        // same body it is, though the source's queue or kind changed since.
+        Err(status) if status.code() == Code::AlreadyExists => {
+            match ingress
+                .jobs
+                .ingress_original(&source.tenant, &key, payload)
+                .await
+            {
+                Ok(Some(original)) => body::json(
+                    StatusCode::OK,
+                    &json!({ "job_id": original.id, "created": false }),
+                ),
+                Ok(None) => refuse(
+                    StatusCode::CONFLICT,
+                    "this webhook-id was already received with another body",
+                ),
+                Err(status) => HttpError::Rpc(status).into_response(),
+            }
+        }
         Err(status) => HttpError::Rpc(status).into_response(),
     }
 }

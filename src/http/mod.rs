@@ -19,6 +19,7 @@
 
 mod body;
 mod dashboard;
+mod deadline;
 mod error;
 mod gateway;
 mod health;
@@ -38,6 +39,7 @@ pub use host::AllowedHosts;
 pub use listener::serve;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
@@ -71,6 +73,7 @@ pub fn router(
     tracing: Tracing,
     hosts: AllowedHosts,
     draining: CancellationToken,
+    body_timeout: Duration,
 ) -> Router {
     let scrape_gate = Arc::clone(&gateway);
     let api = Router::new()
@@ -93,6 +96,10 @@ pub fn router(
         .route("/api/{*rest}", axum::routing::any(jobs::no_route))
         .method_not_allowed_fallback(jobs::no_method)
         .layer(DefaultBodyLimit::max(body::MAX_BODY_BYTES))
+        .layer(axum::middleware::from_fn_with_state(
+            body_timeout,
+            deadline::read_within,
+        ))
         .route_layer(axum::middleware::from_fn_with_state(
             Arc::clone(&gateway),
             refuse_unknown_caller,
@@ -105,6 +112,10 @@ pub fn router(
     let hooks = Router::new()
         .route("/hooks/{source}", post(hooks::receive))
         .layer(DefaultBodyLimit::disable())
+        .layer(axum::middleware::from_fn_with_state(
+            body_timeout,
+            deadline::read_within,
+        ))
         .with_state(ingress);
     api.merge(dashboard::router())
         .route(

@@ -69,7 +69,9 @@ impl From<sqlx::Error> for StoreError {
 /// caller should retry (`UNAVAILABLE`), rather than that a statement is
 /// wrong: a serialization failure or deadlock; any connection exception
 /// (class 08); a shutdown, a crash or a dropped database (57P0x); a
-/// statement timeout (57014); a read-only transaction (25006: a hot
+/// statement timeout (57014); a lock not had within `lock_timeout` (55P03:
+/// another replica holds it, stopped, until its session ends); a session
+/// ended for idling in a transaction (25P03); a read-only transaction (25006: a hot
 /// standby, or a primary just failed over and not yet promoted); a
 /// database that is gone or refuses this login after a reconnect (3D000,
 /// 28000, 28P01: dropped, or its credentials rotated); a database not
@@ -83,6 +85,8 @@ fn pg_unavailable(code: &str) -> bool {
             "40001"
                 | "40P01"
                 | "57014"
+                | "55P03"
+                | "25P03"
                 | "25006"
                 | "3D000"
                 | "28000"

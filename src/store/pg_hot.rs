@@ -27,11 +27,11 @@ const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_LIFETIME: Duration = Duration::from_secs(30 * 60);
 
 /// At most `size` connections to one database, each set up with the same
-/// session statement when it opens. Connections open on first need and stay
+/// session statements when it opens. Connections open on first need and stay
 /// open; the most recently used is handed out first.
 pub struct HotPool {
     options: PgConnectOptions,
-    setup: &'static str,
+    setup: &'static [&'static str],
     slots: Semaphore,
     idle: Mutex<Vec<Idle>>,
 }
@@ -50,9 +50,13 @@ impl std::fmt::Debug for HotPool {
 }
 
 impl HotPool {
-    /// A pool for `url` that runs `setup` (one or more `SET`s) on each new
-    /// connection. Nothing connects yet.
-    pub fn new(url: &str, size: u32, setup: &'static str) -> Result<HotPool, sqlx::Error> {
+    /// A pool for `url` that runs `setup` (each one or more `SET`s) on each
+    /// new connection. Nothing connects yet.
+    pub fn new(
+        url: &str,
+        size: u32,
+        setup: &'static [&'static str],
+    ) -> Result<HotPool, sqlx::Error> {
         Ok(HotPool {
             options: PgConnectOptions::from_str(url)?,
             setup,
@@ -103,7 +107,9 @@ impl HotPool {
 
     async fn open(&self) -> Result<Idle, sqlx::Error> {
         let mut conn = self.options.connect().await?;
-        conn.execute(self.setup).await?;
+        for statements in self.setup {
+            conn.execute(*statements).await?;
+        }
         Ok(Idle {
             conn,
             opened: Instant::now(),
@@ -188,7 +194,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_finished_connection_is_reused_with_its_settings() {
-        let pool = HotPool::new(&url(), 2, "SET application_name = 'intray_hot_test'")
+        let pool = HotPool::new(&url(), 2, &["SET application_name = 'intray_hot_test'"])
             .expect("a valid URL");
         let mut conn = pool.acquire().await.expect("connect");
         let first = backend_pid(&mut conn).await;
@@ -205,7 +211,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_unfinished_connection_is_closed_not_reused() {
-        let pool = HotPool::new(&url(), 1, "SET jit = off").expect("a valid URL");
+        let pool = HotPool::new(&url(), 1, &["SET jit = off"]).expect("a valid URL");
         let mut conn = pool.acquire().await.expect("connect");
         let first = backend_pid(&mut conn).await;
         drop(conn);
@@ -216,7 +222,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_statement_cut_short_leaves_no_broken_connection_behind() {
-        let pool = HotPool::new(&url(), 1, "SET jit = off").expect("a valid URL");
+        let pool = HotPool::new(&url(), 1, &["SET jit = off"]).expect("a valid URL");
         let mut conn = pool.acquire().await.expect("connect");
         let first = backend_pid(&mut conn).await;
         let cut = tokio::time::timeout(
@@ -238,7 +244,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_full_pool_makes_callers_wait_for_a_finished_connection() {
-        let pool = HotPool::new(&url(), 1, "SET jit = off").expect("a valid URL");
+        let pool = HotPool::new(&url(), 1, &["SET jit = off"]).expect("a valid URL");
         let mut conn = pool.acquire().await.expect("connect");
         let first = backend_pid(&mut conn).await;
         let waiting = pool.acquire();

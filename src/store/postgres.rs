@@ -73,6 +73,21 @@ pub async fn migrate(url: &str, strict: bool) -> StoreResult<()> {
 const PLANNER_SETTINGS: &str = "SET plan_cache_mode = force_generic_plan; \
                                 SET enable_seqscan = off; SET enable_sort = off; SET jit = off";
 
+/// Bounds on what a replica's sessions may hold and wait for, set on every
+/// connection of both pools (not on the one that migrates: a migration may
+/// wait for another replica's, and take long). A replica that stops without
+/// closing its connections (SIGSTOP, a paused VM, a partition the database
+/// has not noticed) would otherwise keep the row and advisory locks of its
+/// open transactions for ever, and the other replicas' statements would
+/// queue behind them until their pools were full: with these, the stopped
+/// replica's transactions end after 10 s idle, and a statement gives up a
+/// lock wait after 5 s (`UNAVAILABLE`: retried by the caller) instead of
+/// holding its connection. Ours are never idle in a transaction for more
+/// than a round trip, nor wait for a lock longer than another statement
+/// of ours runs.
+const SESSION_LIMITS: &str =
+    "SET lock_timeout = '5s'; SET idle_in_transaction_session_timeout = '10s'";
+
 /// The PostgreSQL implementation of [`Store`].
 pub struct PgStore {
     pool: PgPool,
@@ -1341,6 +1356,9 @@ fn pool_options(size: u32) -> PgPoolOptions {
     PgPoolOptions::new()
         .max_connections(size)
         .acquire_timeout(Duration::from_secs(5))
+        .after_connect(|conn, _| {
+            Box::pin(async move { sqlx::raw_sql(SESSION_LIMITS).execute(conn).await.map(drop) })
+        })
         // sqlx pings every connection it hands out (and again when it takes
         // it back): a round trip before each transaction. A connection that
         // died is found by its first statement instead, which fails
@@ -1364,10 +1382,16 @@ impl PgStore {
         let planned = Arc::new(HotPool::new(
             &settings.database_url,
             planned_size,
-            PLANNER_SETTINGS,
+            &[PLANNER_SETTINGS, SESSION_LIMITS],
         )?);
         let migrator = migrator(false);
-        migrator.run(&pool).await?;
+        // Without SESSION_LIMITS: it may wait for another replica's migration.
+        let migrating = PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&settings.database_url)
+            .await?;
+        migrator.run(&migrating).await?;
+        migrating.close().await;
         let applied: Option<i64> = sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations")
             .fetch_one(&pool)
             .await?;
@@ -3519,6 +3543,63 @@ mod tests {
         );
         drop(store);
         drop(admin);
+        scratch.drop().await;
+    }
+
+    /// A replica that stops with a transaction open (a paused VM) holds
+    /// its locks until its session is ended for idling in it; meanwhile a
+    /// statement of another replica waiting for one of them gives up after
+    /// `lock_timeout`, `UNAVAILABLE`, and frees its connection: they queued
+    /// behind it until the pool was full, and the stopped replica's jobs
+    /// were never reclaimed.
+    #[tokio::test]
+    async fn a_stopped_replicas_locks_hold_no_one_for_long() {
+        let scratch = Scratch::new("intray_stopped_replica").await;
+        let store = scratch.store().await;
+        let ids = store
+            .submit("default", vec![new_job()])
+            .await
+            .expect("submit");
+        let id = ids
+            .first()
+            .expect("one")
+            .as_ref()
+            .expect("submitted")
+            .job
+            .id;
+        // The stopped replica: its session's settings, a row locked, idle.
+        let mut stopped = PgConnection::connect(&scratch.url).await.expect("connect");
+        stopped.execute(SESSION_LIMITS).await.expect("limits");
+        stopped
+            .execute(sqlx::AssertSqlSafe(format!(
+                "BEGIN; SELECT 1 FROM jobs WHERE id = '{id}' FOR UPDATE"
+            )))
+            .await
+            .expect("lock the row");
+        let started = std::time::Instant::now();
+        let waited = store.cancel("default", id, None, Duration::ZERO).await;
+        assert!(
+            matches!(waited, Err(StoreError::Unavailable(_))),
+            "{waited:?}"
+        );
+        let took = started.elapsed();
+        assert!(
+            (Duration::from_secs(4)..Duration::from_secs(9)).contains(&took),
+            "gave up after {took:?}"
+        );
+        // Its session is ended for idling in its transaction, and the row
+        // is free again.
+        tokio::time::sleep(Duration::from_secs(7)).await;
+        assert!(
+            sqlx::query("SELECT 1").execute(&mut stopped).await.is_err(),
+            "the stopped replica's session was ended"
+        );
+        let cancelled = store
+            .cancel("default", id, None, Duration::ZERO)
+            .await
+            .expect("cancel once the lock is gone");
+        assert_eq!(cancelled.state, JobState::Cancelled);
+        drop(store);
         scratch.drop().await;
     }
 
