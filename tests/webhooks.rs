@@ -808,8 +808,11 @@ async fn callbacks_to_names_of_private_addresses_are_refused_at_delivery(backend
         "retried: {delivery}"
     );
     assert_eq!(delivery["last_status"], Value::Null, "{delivery}");
-    let error = delivery["last_error"].as_str().expect("last_error");
-    assert!(error.contains("no allowed address"), "{error}");
+    // The kind of failure, not which address the name resolved to.
+    assert_eq!(
+        delivery["last_error"], "the host does not resolve to an allowed address",
+        "{delivery}"
+    );
     server.stop().await;
 }
 

@@ -56,17 +56,57 @@ enum SendError {
     /// Never worth retrying: the configuration or the URL is the problem.
     #[error("{0}")]
     Permanent(String),
-    #[error("{0}")]
-    Transient(String),
+    /// Worth retrying; the kind shown to the tenant, and the whole text.
+    #[error("{1}")]
+    Transient(Failure, String),
     #[error("receiver answered {0}")]
     Status(u16),
+}
+
+/// The kind of a failed attempt that may pass later.
+#[derive(Clone, Copy, Debug)]
+enum Failure {
+    Timeout,
+    /// No connection, or no HTTP answer on it.
+    Unreachable,
+    Tls,
+    /// The host's addresses are not allowed, or it does not resolve.
+    Address,
+    NoSecret,
+    NoCaBundle,
+    Store,
+}
+
+impl SendError {
+    /// What the job's tenant is shown in its deliveries listing: the kind
+    /// of failure, not the dispatcher's own text, which told any producer
+    /// which internal names resolve and which ports within the `allow`
+    /// list answer what. The whole text is logged.
+    fn shown(&self) -> String {
+        let text = match self {
+            SendError::Permanent(text) => return text.clone(),
+            SendError::Status(code) => return format!("receiver answered {code}"),
+            SendError::Transient(failure, _) => match failure {
+                Failure::Timeout => "no answer within the webhook timeout",
+                Failure::Unreachable => {
+                    "the receiver could not be reached, or did not answer in HTTP/1.1"
+                }
+                Failure::Tls => "the TLS handshake with the receiver failed",
+                Failure::Address => "the host does not resolve to an allowed address",
+                Failure::NoSecret => "no webhook secret is configured for the tenant",
+                Failure::NoCaBundle => "the server has no CA bundle for https",
+                Failure::Store => "the server could not read the job",
+            },
+        };
+        text.to_owned()
+    }
 }
 
 impl From<StoreError> for SendError {
     fn from(err: StoreError) -> Self {
         match err {
             StoreError::NotFound => SendError::Permanent("the job no longer exists".into()),
-            other => SendError::Transient(format!("store: {other}")),
+            other => SendError::Transient(Failure::Store, format!("store: {other}")),
         }
     }
 }
@@ -279,18 +319,21 @@ impl Dispatcher {
         let answer = tokio::time::timeout(self.timings.timeout, self.send(delivery))
             .await
             .unwrap_or_else(|_| {
-                Err(SendError::Transient(format!(
-                    "no answer within {:?}",
-                    self.timings.timeout
-                )))
+                Err(SendError::Transient(
+                    Failure::Timeout,
+                    format!("no answer within {:?}", self.timings.timeout),
+                ))
             });
         let attempt = delivery.attempts + 1;
         let step = match answer {
             Ok(status) => Attempted::Delivered { status },
-            Err(SendError::Permanent(error)) => Attempted::Failed {
-                status: None,
-                error,
-            },
+            Err(SendError::Permanent(error)) => {
+                tracing::warn!(webhook_id = %delivery.webhook_id, job_id = %delivery.job_id, attempt, %error, "webhook delivery failed for good");
+                Attempted::Failed {
+                    status: None,
+                    error,
+                }
+            }
             Err(err) => {
                 let status = match &err {
                     SendError::Status(code) => Some(*code),
@@ -306,15 +349,21 @@ impl Dispatcher {
                     self.timings.retry_window,
                     rand::random::<f64>(),
                 ) {
-                    AfterFailure::Retry(delay) => Attempted::Retry {
-                        status,
-                        error: err.to_string(),
-                        delay,
-                    },
-                    AfterFailure::GiveUp => Attempted::Failed {
-                        status,
-                        error: err.to_string(),
-                    },
+                    AfterFailure::Retry(delay) => {
+                        tracing::info!(webhook_id = %delivery.webhook_id, attempt, error = %err, ?delay, "webhook attempt failed; will retry");
+                        Attempted::Retry {
+                            status,
+                            error: err.shown(),
+                            delay,
+                        }
+                    }
+                    AfterFailure::GiveUp => {
+                        tracing::warn!(webhook_id = %delivery.webhook_id, job_id = %delivery.job_id, attempt, error = %err, "webhook delivery failed for good");
+                        Attempted::Failed {
+                            status,
+                            error: err.shown(),
+                        }
+                    }
                 }
             }
         };
@@ -324,16 +373,8 @@ impl Dispatcher {
             Attempted::Failed { .. } => "failed",
         };
         self.metrics.webhook_attempt(outcome);
-        match &step {
-            Attempted::Delivered { .. } => {
-                tracing::debug!(webhook_id = %delivery.webhook_id, attempt, "webhook delivered");
-            }
-            Attempted::Retry { error, delay, .. } => {
-                tracing::info!(webhook_id = %delivery.webhook_id, attempt, %error, ?delay, "webhook attempt failed; will retry");
-            }
-            Attempted::Failed { error, .. } => {
-                tracing::warn!(webhook_id = %delivery.webhook_id, job_id = %delivery.job_id, attempt, %error, "webhook delivery failed for good");
-            }
+        if let Attempted::Delivered { .. } = &step {
+            tracing::debug!(webhook_id = %delivery.webhook_id, attempt, "webhook delivered");
         }
         match self.outbox.record(&claimed, &step).await {
             Ok(true) => {}
@@ -357,10 +398,13 @@ impl Dispatcher {
         // webhooks file edited) is retried, as an address the allow-list
         // dropped is, so that the edit can be mended without a loss.
         let secret = keys.secrets_for(&delivery.tenant).ok_or_else(|| {
-            SendError::Transient(format!(
-                "no webhook secret configured for tenant {:?}",
-                delivery.tenant
-            ))
+            SendError::Transient(
+                Failure::NoSecret,
+                format!(
+                    "no webhook secret configured for tenant {:?}",
+                    delivery.tenant
+                ),
+            )
         })?;
         let target = Target::parse(&delivery.url)
             .ok_or_else(|| SendError::Permanent("the callback URL is not valid".into()))?;
@@ -394,24 +438,24 @@ impl Dispatcher {
             .header("webhook-signature", signature)
             .body(Full::new(body))
             .map_err(|e| SendError::Permanent(format!("cannot build the request: {e}")))?;
-        let tcp = TcpStream::connect(addr)
-            .await
-            .map_err(|e| SendError::Transient(format!("connect {addr}: {e}")))?;
+        let tcp = TcpStream::connect(addr).await.map_err(|e| {
+            SendError::Transient(Failure::Unreachable, format!("connect {addr}: {e}"))
+        })?;
         // Small requests: without nodelay, delayed ACKs add ~40 ms each.
-        tcp.set_nodelay(true)
-            .map_err(|e| SendError::Transient(format!("connect {addr}: {e}")))?;
+        tcp.set_nodelay(true).map_err(|e| {
+            SendError::Transient(Failure::Unreachable, format!("connect {addr}: {e}"))
+        })?;
         let status = if target.tls {
-            let tls = self
-                .tls
-                .as_ref()
-                .ok_or_else(|| SendError::Transient("no CA bundle for https".into()))?;
+            let tls = self.tls.as_ref().ok_or_else(|| {
+                SendError::Transient(Failure::NoCaBundle, "no CA bundle for https".into())
+            })?;
             let name = ServerName::try_from(target.host.clone()).map_err(|_| {
                 SendError::Permanent("the callback host is not a valid TLS name".into())
             })?;
             let stream = tls
                 .connect(name, tcp)
                 .await
-                .map_err(|e| SendError::Transient(format!("tls: {e}")))?;
+                .map_err(|e| SendError::Transient(Failure::Tls, format!("tls: {e}")))?;
             post(stream, request).await?
         } else {
             post(tcp, request).await?
@@ -434,12 +478,17 @@ impl Dispatcher {
             return if allow.allows_ip(ip) {
                 Ok(SocketAddr::new(ip, target.port))
             } else {
-                Err(SendError::Transient(format!("address {ip} is not allowed")))
+                Err(SendError::Transient(
+                    Failure::Address,
+                    format!("address {ip} is not allowed"),
+                ))
             };
         }
         let addrs: Vec<SocketAddr> = tokio::net::lookup_host((target.host.as_str(), target.port))
             .await
-            .map_err(|e| SendError::Transient(format!("resolve {}: {e}", target.host)))?
+            .map_err(|e| {
+                SendError::Transient(Failure::Address, format!("resolve {}: {e}", target.host))
+            })?
             .collect();
         let named = allow.allows_host(&target.host);
         addrs
@@ -447,7 +496,10 @@ impl Dispatcher {
             .copied()
             .find(|a| named || allow.allows_ip(a.ip()))
             .ok_or_else(|| {
-                SendError::Transient(format!("{} resolves to no allowed address", target.host))
+                SendError::Transient(
+                    Failure::Address,
+                    format!("{} resolves to no allowed address", target.host),
+                )
             })
     }
 }
@@ -469,11 +521,12 @@ where
 {
     let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(io))
         .await
-        .map_err(|e| SendError::Transient(format!("http: {e}")))?;
+        .map_err(|e| SendError::Transient(Failure::Unreachable, format!("http: {e}")))?;
     let driver = tokio::spawn(connection);
     let answer = sender.send_request(request).await;
     driver.abort();
-    let response = answer.map_err(|e| SendError::Transient(format!("http: {e}")))?;
+    let response =
+        answer.map_err(|e| SendError::Transient(Failure::Unreachable, format!("http: {e}")))?;
     Ok(response.status().as_u16())
 }
 

@@ -1,9 +1,11 @@
 //! `POST /hooks/{source}`: a provider's webhook becomes a job.
 //!
 //! The order of the checks is the contract: an unknown source is `404`, a
-//! body over the limit `413`, a bad or stale Standard Webhooks signature
-//! `401` (checked over the raw body bytes before anything parses them),
-//! malformed JSON after a valid signature `400`. Then the body is submitted
+//! body over the limit `413` (before it is read when its declared length
+//! says so), `503` while [`INGRESS_READS`] bodies are being read, `408` for
+//! a body that does not arrive in time, a bad or stale Standard Webhooks
+//! signature `401` (checked over the raw body bytes before anything parses
+//! them), malformed JSON after a valid signature `400`. Then the body is submitted
 //! as the payload of a job of the source's queue and kind, keyed by the
 //! source and the `webhook-id` ([`idempotency_key`]), so that a repeated
 //! delivery finds the first job (`200`, nothing created). The handler only verifies and
